@@ -1,0 +1,3 @@
+"""Brownout: a resilience sidecar for LLM inference servers."""
+
+__version__ = "0.1.0"
