@@ -1,0 +1,116 @@
+"""Every Prometheus metric of the proxy, in one place, on a per-app registry.
+
+Label children that are known at start-up (one per backend) are bound once,
+so the request path never pays for `.labels()` lookups it can avoid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+# TTFT and durations of LLM calls span milliseconds (a cached prefix) to
+# minutes (a long generation), so the buckets do too.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Time spent inside the proxy itself: sub-millisecond is the goal.
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+TIER_VALUES = {"normal": 0, "throttle": 1, "failover": 2, "maintenance": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendMetrics:
+    """Children bound to one backend label."""
+
+    ttft: Histogram
+    duration: Histogram
+    upstream_errors: Counter
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(
+        default_factory=lambda: CollectorRegistry(auto_describe=True)
+    )
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "brownout_requests",
+            "Proxied requests by backend, endpoint and HTTP status.",
+            ["backend", "endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "brownout_ttft_seconds",
+            "Time from request arrival to the first answer byte sent to the client.",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "brownout_request_duration_seconds",
+            "Whole request duration as the client saw it.",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "brownout_proxy_overhead_seconds",
+            "Time spent inside the proxy per request: before the upstream call plus "
+            "from the upstream's first byte to the client's first byte.",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "brownout_inflight_requests",
+            "Requests being served right now.",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "brownout_upstream_errors",
+            "Upstream failures by backend and kind.",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "brownout_stream_errors",
+            "Streams ended with an in-band error event after the 200 was sent.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "brownout_client_disconnects",
+            "Clients that went away before the answer ended.",
+            ["backend"],
+            registry=r,
+        )
+        self.bad_requests = Counter(
+            "brownout_bad_requests",
+            "Requests rejected by validation, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "brownout_backend_up",
+            "1 when the backend's health probe passes.",
+            ["backend"],
+            registry=r,
+        )
+        self.tier = Gauge(
+            "brownout_tier",
+            "Current degradation tier (0 normal, 1 throttle, 2 failover, 3 maintenance).",
+            registry=r,
+        )
+
+    def for_backend(self, name: str) -> BackendMetrics:
+        return BackendMetrics(
+            ttft=self.ttft.labels(name),
+            duration=self.duration.labels(name),
+            upstream_errors=self.upstream_errors.labels(name, "connect"),
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,50 @@
+"""`brownout serve`: run the app on uvloop (when installed) until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiohttp import web
+
+from proxy.app import create_app
+from proxy.config import Policy
+from proxy.logs import configure_logging
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a default dependency
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def run(policy: Policy, host: str | None = None, port: int | None = None) -> None:
+    configure_logging(policy.server.log_level)
+    host = host or policy.server.host
+    port = port or policy.server.port
+    log = structlog.get_logger("brownout")
+    log.info(
+        "starting",
+        host=host,
+        port=port,
+        policy=policy.source,
+        primary=policy.backends.primary.url,
+        fallback=policy.backends.fallback.url if policy.backends.fallback else None,
+    )
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    web.run_app(
+        create_app(policy),
+        host=host,
+        port=port,
+        loop=loop,
+        access_log=None,  # one structured line per request is logged instead
+        # Cancel the handler when the client goes away, so the upstream
+        # request is closed at once and vLLM frees the sequence's KV cache.
+        handler_cancellation=True,
+        shutdown_timeout=policy.server.shutdown_grace_s,
+        print=None,
+    )
