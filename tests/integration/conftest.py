@@ -1,0 +1,133 @@
+"""A scriptable fake upstream and the real proxy, both on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.app import create_app
+from proxy.config import Policy, parse_policy
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class FakeUpstream:
+    """An OpenAI-ish server whose handlers each test scripts."""
+
+    port: int
+    handlers: dict[str, Handler] = field(default_factory=dict)
+    requests: list[tuple[str, CIMultiDict[str], bytes]] = field(default_factory=list)
+    # Set when a streaming handler notices its client went away.
+    client_gone: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append((request.path, CIMultiDict(request.headers), body))
+        handler = self.handlers.get(request.path)
+        if handler is None:
+            if request.path == "/health":
+                return web.Response(status=200)
+            return web.json_response({"error": {"message": "not scripted"}}, status=404)
+        return await handler(request)
+
+
+async def _start(app: web.Application, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+@pytest.fixture
+async def fake_upstream() -> AsyncIterator[FakeUpstream]:
+    fake = FakeUpstream(free_port())
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", fake.dispatch)
+    runner = await _start(app, fake.port)
+    yield fake
+    await runner.cleanup()
+
+
+def make_policy(primary: str, fallback: str | None = None, extra: str = "") -> Policy:
+    text = f"""
+server:
+  heartbeat_s: 0.3
+backends:
+  primary:
+    url: {primary}
+    timeouts: {{connect_s: 1, first_byte_s: 2, idle_s: 1}}
+    health: {{interval_s: 0.2, timeout_s: 0.5}}
+"""
+    if fallback:
+        text += f"""  fallback:
+    url: {fallback}
+    kind: transformers
+    timeouts: {{connect_s: 1, first_byte_s: 2, idle_s: 1}}
+    health: {{interval_s: 0.2, timeout_s: 0.5}}
+"""
+    return parse_policy(text + extra, "test-policy.yaml")
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    app: web.Application
+    session: aiohttp.ClientSession
+
+
+ProxyFactory = Callable[[Policy], Awaitable[RunningProxy]]
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[ProxyFactory]:
+    runners: list[web.AppRunner] = []
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def factory(policy: Policy) -> RunningProxy:
+        port = free_port()
+        app = create_app(policy)
+        runners.append(await _start(app, port))
+        session = aiohttp.ClientSession()
+        sessions.append(session)
+        return RunningProxy(f"http://127.0.0.1:{port}", app, session)
+
+    yield factory
+    for s in sessions:
+        await s.close()
+    for r in runners:
+        await r.cleanup()
+
+
+def chunk(content: str, finish: str | None = None) -> bytes:
+    import json
+
+    obj = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "tiny",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
