@@ -1,1 +1,1 @@
-
+pytest_plugins = ["tests.harness.fixtures"]
