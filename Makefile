@@ -1,0 +1,44 @@
+# Brownout — the two commands: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+
+.PHONY: setup run test lint typecheck unit vllm-venv clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU wheel that lies on these machines' disk;
+# a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q torch==2.13.0
+	PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q -e '.[fallback,test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# The proxy on :8080 in front of the fallback server on the tiny model (:8001);
+# a vLLM on :8000 is used as the primary when one runs.
+run: setup
+	PATH=$(VENV)/bin:$$PATH scripts/quickstart.sh
+
+# The vLLM CPU build used by the real-server tests (cached outside the repo).
+vllm-venv:
+	scripts/ensure-vllm-venv.sh
+
+lint:
+	$(VENV)/bin/ruff check proxy tests bench
+	$(VENV)/bin/ruff format --check proxy tests bench
+
+typecheck:
+	$(VENV)/bin/mypy
+
+test: setup vllm-venv lint typecheck
+	$(VENV)/bin/pytest -q
+
+unit: setup
+	$(VENV)/bin/pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

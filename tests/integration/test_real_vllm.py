@@ -1,0 +1,78 @@
+"""The proxy in front of a real vLLM (CPU build, tiny model), seen through the
+official openai client."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.harness.vllm import VLLMServer
+from tests.integration.conftest import ProxyFactory, make_policy
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+
+async def test_chat_streaming_and_non_streaming_through_proxy(
+    live_vllm_server: VLLMServer, start_proxy: ProxyFactory
+) -> None:
+    proxy = await start_proxy(make_policy(live_vllm_server.base_url))
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello there"}],
+            max_tokens=16,
+            temperature=0,
+        )
+        assert raw.headers["x-brownout-backend"] == "primary"
+        assert raw.headers["x-brownout-tier"] == "normal"
+        completion = raw.parse()
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        assert completion.usage is not None and completion.usage.completion_tokens > 0
+
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello there"}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces: list[str] = []
+        finish: list[str] = []
+        usage = None
+        async for c in stream:
+            if c.usage is not None:
+                usage = c.usage
+            for ch in c.choices:
+                pieces.append(ch.delta.content or "")
+                if ch.finish_reason:
+                    finish.append(ch.finish_reason)
+        assert finish and finish[0] in ("stop", "length")
+        assert usage is not None and usage.completion_tokens > 0
+        # Greedy decoding: the stream says what the non-streaming call said.
+        assert "".join(pieces) == completion.choices[0].message.content
+    finally:
+        await client.close()
+
+
+async def test_models_and_completions_through_proxy(
+    live_vllm_server: VLLMServer, start_proxy: ProxyFactory
+) -> None:
+    proxy = await start_proxy(make_policy(live_vllm_server.base_url))
+    async with proxy.session.get(proxy.url + "/v1/models") as resp:
+        assert resp.status == 200
+        models = await resp.json()
+    assert models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == 1024
+
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+    try:
+        done = await client.completions.create(model="tiny", prompt="Once upon", max_tokens=8)
+        assert done.choices[0].finish_reason in ("stop", "length")
+        # A context-length error from vLLM reaches the client as vLLM said it.
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="tiny", prompt="word " * 3000, max_tokens=8)
+        assert info.value.status_code == 400
+    finally:
+        await client.close()
