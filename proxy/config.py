@@ -26,126 +26,142 @@ Tier = Literal["normal", "throttle", "failover", "maintenance"]
 # --------------------------------------------------------------------------- schema
 
 
+def knob(default: Any, doc: str) -> Any:
+    """A policy field with its documentation (rendered into the reference)."""
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return field(default_factory=default, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass(frozen=True, slots=True)
 class ServerPolicy:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    # Admin endpoints answer only when this is set, and only with it.
-    admin_token: str = ""
-    # Accepted client keys (`Authorization: Bearer ...`); empty = no client auth.
-    api_keys: tuple[str, ...] = ()
-    # Request bodies above this get 413.
-    max_body_bytes: int = 4 * 1024 * 1024
-    # SSE comment sent when the upstream has been silent this long (keeps
-    # nginx's proxy_read_timeout and idle load balancers from cutting streams).
-    heartbeat_s: float = 15.0
-    # Prompts and completions never reach the logs unless this is true.
-    log_prompts: bool = False
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # Seconds to let in-flight streams finish on shutdown.
-    shutdown_grace_s: float = 10.0
+    host: str = knob("127.0.0.1", "Address to listen on (`--host` overrides).")
+    port: int = knob(8080, "Port to listen on (`--port` overrides).")
+    admin_token: str = knob(
+        "", "Bearer token for the admin endpoints; empty = admin endpoints disabled."
+    )
+    api_keys: tuple[str, ...] = knob(
+        (), "Accepted client keys (`Authorization: Bearer ...`); empty = no client auth."
+    )
+    max_body_bytes: int = knob(4 * 1024 * 1024, "Request bodies above this get 413.")
+    heartbeat_s: float = knob(
+        15.0,
+        "Send an SSE comment (`: ping`) when the backend has been silent this long, so "
+        "nginx's proxy_read_timeout and idle load balancers keep the stream.",
+    )
+    log_prompts: bool = knob(False, "Prompts and completions reach the logs only when true.")
+    log_level: Literal["debug", "info", "warning", "error"] = knob("info", "Log level.")
+    shutdown_grace_s: float = knob(10.0, "Seconds in-flight requests get to finish on shutdown.")
 
 
 @dataclass(frozen=True, slots=True)
 class TimeoutPolicy:
-    connect_s: float = 3.0
-    # Until the first byte of the answer (response headers and, for streams,
-    # the first event). Long prefills count here.
-    first_byte_s: float = 60.0
-    # Longest silence between two stream events once the answer has started.
-    idle_s: float = 30.0
-    # Whole request; 0 = no limit.
-    total_s: float = 0.0
+    connect_s: float = knob(3.0, "TCP connect to the backend.")
+    first_byte_s: float = knob(
+        60.0,
+        "Until the first answer event (response headers and, for streams, the first "
+        "event); long prefills count here.",
+    )
+    idle_s: float = knob(30.0, "Longest silence between two stream events mid-answer.")
 
 
 @dataclass(frozen=True, slots=True)
 class PoolPolicy:
-    max_connections: int = 512
-    keepalive_s: float = 30.0
+    max_connections: int = knob(512, "Connection pool size towards this backend.")
+    keepalive_s: float = knob(30.0, "Idle keep-alive connections are closed after this.")
 
 
 @dataclass(frozen=True, slots=True)
 class HealthPolicy:
-    path: str = "/health"
-    interval_s: float = 2.0
-    timeout_s: float = 1.0
+    path: str = knob("/health", "Probe path (vLLM: 200 = fine, 503 = engine dead).")
+    interval_s: float = knob(2.0, "Seconds between probes.")
+    timeout_s: float = knob(1.0, "A probe slower than this fails.")
 
 
 @dataclass(frozen=True, slots=True)
 class BackendPolicy:
-    url: str
-    kind: BackendKind = "vllm"
-    # Rewrite the request's `model` to this name (None = pass through).
-    model: str | None = None
-    # Replaces the client's Authorization towards this backend when set.
-    api_key: str | None = None
-    timeouts: TimeoutPolicy = field(default_factory=TimeoutPolicy)
-    pool: PoolPolicy = field(default_factory=PoolPolicy)
-    health: HealthPolicy = field(default_factory=HealthPolicy)
+    url: str = field(
+        metadata={"doc": "Root URL of the OpenAI-compatible server (`/v1/...` is appended)."}
+    )
+    kind: BackendKind = knob(
+        "vllm", "`vllm`, `transformers` (brownout fallback-server) or `openai`."
+    )
+    model: str | None = knob(
+        None, "Rewrite the request's `model` to this name; unset = pass through."
+    )
+    api_key: str | None = knob(
+        None, "Sent as `Authorization: Bearer` to this backend instead of the client's header."
+    )
+    timeouts: TimeoutPolicy = knob(TimeoutPolicy, "")
+    pool: PoolPolicy = knob(PoolPolicy, "")
+    health: HealthPolicy = knob(HealthPolicy, "")
 
 
 @dataclass(frozen=True, slots=True)
 class BackendsPolicy:
-    primary: BackendPolicy
-    fallback: BackendPolicy | None = None
+    primary: BackendPolicy = field(metadata={"doc": "The main engine (vLLM)."})
+    fallback: BackendPolicy | None = knob(None, "The fallback (Transformers server); optional.")
 
 
 @dataclass(frozen=True, slots=True)
 class SessionsPolicy:
-    store: str = "memory://"
-    ttl_s: int = 86400
-    max_turns: int = 20
-    key_prefix: str = "brownout:"
+    store: str = knob("memory://", "`memory://` or `redis://host:port/db`.")
+    ttl_s: int = knob(86400, "Session lifetime, refreshed on use.")
+    max_turns: int = knob(20, "Turns kept per session.")
+    key_prefix: str = knob("brownout:", "Prefix of every Redis key.")
 
 
 @dataclass(frozen=True, slots=True)
 class ThrottlePolicy:
-    enabled: bool = True
-    # Normally equal to vLLM's --max-num-seqs.
-    max_inflight: int = 64
+    enabled: bool = knob(True, "Tier 1: hold concurrency when the engine saturates.")
+    max_inflight: int = knob(64, "Admission limit; normally vLLM's `--max-num-seqs`.")
 
 
 @dataclass(frozen=True, slots=True)
 class FailoverPolicy:
-    enabled: bool = True
-    # Route to the fallback when the primary refuses connections.
-    on_connect_error: bool = True
+    enabled: bool = knob(True, "Tier 2: send traffic to the fallback when the primary fails.")
+    on_connect_error: bool = knob(
+        True, "Try the fallback when the primary refuses connections (before any byte)."
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class MaintenancePolicy:
-    enabled: bool = True
-    notice: str = "The assistant is under maintenance right now. Please try again in a few minutes."
-    retry_after_s: int = 30
-    status_code: Literal[200, 503] = 200
+    enabled: bool = knob(True, "Tier 3: answer with the FAQ / maintenance notice.")
+    notice: str = knob(
+        "The assistant is under maintenance right now. Please try again in a few minutes.",
+        "Text of the maintenance answer.",
+    )
+    retry_after_s: int = knob(30, "`Retry-After` on maintenance answers.")
+    status_code: Literal[200, 503] = knob(200, "200 suits chat UIs; 503 suits API clients.")
 
 
 @dataclass(frozen=True, slots=True)
 class LadderPolicy:
-    throttle: ThrottlePolicy = field(default_factory=ThrottlePolicy)
-    failover: FailoverPolicy = field(default_factory=FailoverPolicy)
-    maintenance: MaintenancePolicy = field(default_factory=MaintenancePolicy)
+    throttle: ThrottlePolicy = knob(ThrottlePolicy, "")
+    failover: FailoverPolicy = knob(FailoverPolicy, "")
+    maintenance: MaintenancePolicy = knob(MaintenancePolicy, "")
 
 
 @dataclass(frozen=True, slots=True)
 class GuardPolicy:
-    enabled: bool = True
+    enabled: bool = knob(True, "Output guard on streamed answers.")
 
 
 @dataclass(frozen=True, slots=True)
 class FaqPolicy:
-    file: str | None = None
-    threshold: float = 0.5
+    file: str | None = knob(None, "FAQ YAML, relative to the policy file.")
+    threshold: float = knob(0.5, "Minimum match score for an FAQ answer.")
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    backends: BackendsPolicy
-    server: ServerPolicy = field(default_factory=ServerPolicy)
-    sessions: SessionsPolicy = field(default_factory=SessionsPolicy)
-    ladder: LadderPolicy = field(default_factory=LadderPolicy)
-    guard: GuardPolicy = field(default_factory=GuardPolicy)
-    faq: FaqPolicy = field(default_factory=FaqPolicy)
+    backends: BackendsPolicy = field(metadata={"doc": ""})
+    server: ServerPolicy = knob(ServerPolicy, "")
+    sessions: SessionsPolicy = knob(SessionsPolicy, "")
+    ladder: LadderPolicy = knob(LadderPolicy, "")
+    guard: GuardPolicy = knob(GuardPolicy, "")
+    faq: FaqPolicy = knob(FaqPolicy, "")
     # Where the policy came from (for status and reload), not a YAML key.
     source: str = field(default="<memory>", metadata={"internal": True})
 
@@ -418,9 +434,15 @@ def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Polic
     return parse_policy(text, str(p), env)
 
 
-def policy_fields(cls: type[Any] = Policy, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, type, default) for every policy knob, for the generated reference."""
-    out: list[tuple[str, str, str]] = []
+def _type_label(tp: Any) -> str:
+    if tp in (int, float, bool, str):
+        return str(tp.__name__)
+    return str(tp).replace("typing.", "")
+
+
+def policy_fields(cls: type[Any] = Policy, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every policy knob, for the generated reference."""
+    out: list[tuple[str, str, str, str]] = []
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("internal"):
@@ -437,5 +459,5 @@ def policy_fields(cls: type[Any] = Policy, prefix: str = "") -> list[tuple[str, 
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        out.append((key, str(tp).replace("typing.", ""), default))
+        out.append((key, _type_label(tp), default, str(f.metadata.get("doc", ""))))
     return out

@@ -91,7 +91,7 @@ def test_every_error_is_reported_not_just_the_first() -> None:
 
 
 def test_policy_fields_cover_every_knob() -> None:
-    keys = {k for k, _, _ in policy_fields()}
+    keys = {k for k, _, _, _ in policy_fields()}
     assert "backends.primary.timeouts.first_byte_s" in keys
     assert "server.heartbeat_s" in keys
     assert "source" not in keys
@@ -115,3 +115,10 @@ def test_cli_check(tmp_path: Path) -> None:
     missing = _check(tmp_path / "nope.yaml")
     assert missing.returncode != 0
     assert "nope.yaml:1: cannot read policy" in missing.stderr
+
+
+def test_policy_reference_doc_is_current() -> None:
+    from proxy.policydoc import render
+
+    committed = (ROOT / "docs" / "policy-reference.md").read_text()
+    assert committed == render(), "run: python -m proxy.policydoc > docs/policy-reference.md"
