@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import error_body
-from proxy.sse import DONE_EVENT, HEARTBEAT, Event, SSEParser, error_events
+from proxy.sse import DONE_EVENT, HEARTBEAT, SSEFramer, error_events, find_line
 
 Outcome = Literal[
     "complete",  # [DONE] (or finish_reason then EOF) seen
@@ -37,19 +37,12 @@ Outcome = Literal[
     "client_disconnect",
 ]
 
-_FINISH_KEY = b'"finish_reason":'
-
 
 def has_finish_reason(data: bytes) -> bool:
     """True when a chunk carries a non-null finish_reason (vLLM sends `null` on
-    every other chunk, so the key alone is not enough)."""
-    i = data.find(_FINISH_KEY)
-    if i < 0:
-        return False
-    j = i + len(_FINISH_KEY)
-    while data[j : j + 1] == b" ":
-        j += 1
-    return data[j : j + 1] == b'"'
+    every other chunk, so the key alone is not enough). Inside a JSON string
+    the quotes would be escaped, so token text cannot match."""
+    return b'"finish_reason":"' in data or b'"finish_reason": "' in data
 
 
 def is_error_event(data: bytes) -> bool:
@@ -175,42 +168,43 @@ async def relay_stream(
     client = web.StreamResponse(status=200, headers=headers)
     pump = _Pump(request, upstream, client, heartbeat_s, idle_s)
     loop = pump.loop
-    parser = SSEParser()
+    framer = SSEFramer()
     result = StreamResult("truncated", 200)
     content = upstream.content
     try:
         # ---- until the first event: failures can still be HTTP errors.
-        events: list[Event] = []
+        region = b""
         try:
             async with asyncio.timeout_at(first_byte_deadline):
-                while not events:
+                while not region:
                     chunk = await content.readany()
                     if not chunk:
                         break
-                    events = parser.feed(chunk)
+                    region = framer.feed(chunk)
         except TimeoutError:
             result.outcome = "first_byte_timeout"
             result.detail = "no answer from the backend before the first-byte deadline"
             return await _fail(pump, result, 504, "upstream_timeout")
-        if not events:
-            events = parser.flush()
-            if not events:
+        if not region:
+            region = framer.flush()
+            if not region:
                 result.outcome = "truncated"
                 result.detail = "backend closed the stream before sending anything"
                 return await _fail(pump, result, 502, "upstream_truncated")
         result.first_event_at = loop.time()
-        first = events[0]
-        if first.data is not None and is_error_event(first.data):
-            await pump.settle_heartbeat()
-            if not client.prepared:
-                pump.stop()
-                status, body = error_status(first.data)
-                result.outcome = "upstream_error"
-                result.status = status
-                result.detail = "backend sent an error before the answer"
-                return _json_response(status, body, headers), result
+        if region.startswith(b"data:"):
+            first = region[5 : region.find(b"\n")].strip()
+            if is_error_event(first):
+                await pump.settle_heartbeat()
+                if not client.prepared:
+                    pump.stop()
+                    status, body = error_status(first)
+                    result.outcome = "upstream_error"
+                    result.status = status
+                    result.detail = "backend sent an error before the answer"
+                    return _json_response(status, body, headers), result
 
-        # ---- the answer: forward every event as it arrives.
+        # ---- the answer: forward every complete event as soon as it is here.
         await pump.settle_heartbeat()
         if not client.prepared:
             await client.prepare(request)
@@ -218,64 +212,66 @@ async def relay_stream(
         pump.start_idle_watch()
         write = client.write
         saw_finish = False
-        done = False
         while True:
-            for ev in events:
-                d = ev.data
-                if d is None:
-                    continue
-                result.events += 1
-                if d == b"[DONE]":
-                    done = True
-                    break
-                if not saw_finish and has_finish_reason(d):
-                    saw_finish = True
-                elif d[:2] == b'{"' and is_error_event(d):
-                    result.outcome = "upstream_error"
-            if len(events) == 1:
-                await write(events[0].raw)
-            else:
-                await write(b"".join(ev.raw for ev in events))
-            if done:
+            # Byte searches, not JSON: a region holds whole events with LF
+            # line ends, and these markers can only match at a line start.
+            result.events += region.count(b"\n\n")
+            if find_line(region, b'data: {"error"') >= 0:
+                result.outcome = "upstream_error"
+            if not saw_finish and has_finish_reason(region):
+                saw_finish = True
+            done_at = find_line(region, b"data: [DONE]")
+            if done_at >= 0:
+                end = region.find(b"\n\n", done_at) + 2
+                await write(region[:end] if end < len(region) else region)
                 if result.outcome != "upstream_error":
                     result.outcome = "complete"
                 return client, result
-            try:
-                chunk = await content.readany()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                if pump.timed_out:
-                    result.outcome = "idle_timeout"
-                    result.detail = f"backend silent for {idle_s:g}s mid-answer"
-                    await write(error_events(result.detail, "server_error", "upstream_timeout"))
-                else:
-                    result.outcome = "upstream_disconnect"
-                    result.detail = f"backend connection lost mid-answer ({type(exc).__name__})"
-                    await write(error_events(result.detail, "server_error", "upstream_disconnect"))
-                return client, result
-            if not chunk:
-                events = parser.flush()
-                if events:
-                    continue  # a final event without its blank line
-                break
-            pump.last_activity = loop.time()
-            events = parser.feed(chunk)
-        # EOF without [DONE].
-        if result.outcome == "upstream_error":
-            await write(DONE_EVENT)
-        elif saw_finish:
-            # The answer finished; only the terminator was missing.
-            result.outcome = "complete"
-            await write(DONE_EVENT)
-        else:
-            result.outcome = "truncated"
-            result.detail = "backend closed the stream before the answer finished"
-            await write(error_events(result.detail, "server_error", "upstream_truncated"))
-        return client, result
+            await write(region)
+            region = b""
+            while not region:
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                    if pump.timed_out:
+                        result.outcome = "idle_timeout"
+                        result.detail = f"backend silent for {idle_s:g}s mid-answer"
+                        code = "upstream_timeout"
+                    else:
+                        result.outcome = "upstream_disconnect"
+                        result.detail = f"backend connection lost mid-answer ({type(exc).__name__})"
+                        code = "upstream_disconnect"
+                    await write(error_events(result.detail, "server_error", code))
+                    return client, result
+                if not chunk:
+                    region = framer.flush()
+                    if region:
+                        break  # a final event without its blank line
+                    return client, await _finish_eof(write, result, saw_finish)
+                pump.last_activity = loop.time()
+                region = framer.feed(chunk)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         result.outcome = "client_disconnect"
         return client, result
     finally:
         pump.stop()
+
+
+async def _finish_eof(
+    write: Callable[[bytes], Awaitable[None]], result: StreamResult, saw_finish: bool
+) -> StreamResult:
+    """The upstream closed without [DONE]: say how the answer ended."""
+    if result.outcome == "upstream_error":
+        await write(DONE_EVENT)
+    elif saw_finish:
+        # The answer finished; only the terminator was missing.
+        result.outcome = "complete"
+        await write(DONE_EVENT)
+    else:
+        result.outcome = "truncated"
+        result.detail = "backend closed the stream before the answer finished"
+        await write(error_events(result.detail, "server_error", "upstream_truncated"))
+    return result
 
 
 async def _fail(

@@ -106,6 +106,64 @@ class SSEParser:
         return len(self._buf)
 
 
+class SSEFramer:
+    """Cuts a byte stream at event boundaries without looking inside events.
+
+    The relay's hot path: each read returns every complete event received so
+    far as one bytes region (one `rfind`), ready to be written as is; the
+    incomplete tail waits for the next read. Line endings are normalised to
+    LF like the parser does, so byte searches on the region can rely on
+    `\n` line starts.
+    """
+
+    __slots__ = ("_buf", "_cr_pending")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._cr_pending = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._cr_pending:
+            chunk = b"\r" + chunk
+            self._cr_pending = False
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):
+                chunk = chunk[:-1]
+                self._cr_pending = True
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf = self._buf + chunk if self._buf else chunk
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return b""
+        end += 2
+        self._buf = buf[end:]
+        return buf[:end] if self._buf else buf
+
+    def flush(self) -> bytes:
+        """A final event that lacked its blank line, completed; or b""."""
+        rest = self._buf.rstrip(b"\n")
+        self._buf = b""
+        self._cr_pending = False
+        return rest + b"\n\n" if rest else b""
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def find_line(region: bytes, prefix: bytes, start: int = 0) -> int:
+    """Index of the first line of `region` that starts with `prefix`, or -1.
+
+    JSON payloads cannot contain a raw newline, so a match at a line start is
+    a real SSE field, never text inside a token.
+    """
+    i = region.find(prefix, start)
+    while i > 0 and region[i - 1] != 0x0A:
+        i = region.find(prefix, i + 1)
+    return i
+
+
 def data_event(payload: bytes) -> bytes:
     """`data: ...` framing for a single-line payload (JSON has no raw newlines)."""
     return b"data: " + payload + b"\n\n"

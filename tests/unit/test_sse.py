@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.sse import SSEParser, error_events
+from proxy.sse import SSEFramer, SSEParser, error_events, find_line
 
 STREAM = (
     b": hello\n\n"
@@ -103,3 +103,60 @@ def test_any_framing_yields_the_same_events(
     bounds = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
     pieces = [raw[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     assert feed_all(SSEParser(), pieces) == expected
+
+
+def frame_all(pieces: list[bytes]) -> list[bytes]:
+    f = SSEFramer()
+    regions = [r for r in (f.feed(p) for p in pieces) if r]
+    tail = f.flush()
+    return [*regions, tail] if tail else regions
+
+
+@pytest.mark.parametrize("offset", range(1, len(STREAM)))
+def test_framer_regions_end_at_event_boundaries(offset: int) -> None:
+    regions = frame_all([STREAM[:offset], STREAM[offset:]])
+    assert b"".join(regions) == STREAM
+    for r in regions:
+        assert r.endswith(b"\n\n")
+        # Every region parses into whole events on its own.
+        p = SSEParser()
+        p.feed(r)
+        assert p.pending == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(event_st, max_size=8),
+    eol=st.sampled_from(["\n", "\r\n", "\r"]),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=10),
+)
+def test_framer_preserves_events_under_any_framing(
+    events: list[tuple[str, list[str]]], eol: str, cuts: list[int]
+) -> None:
+    wire = ""
+    for kind, lines in events:
+        wire += (
+            "".join(f"data: {ln}{eol}" for ln in lines) if kind == "data" else f":{lines[0]}{eol}"
+        )
+        wire += eol
+    raw = wire.encode()
+    bounds = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
+    pieces = [raw[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    regions = frame_all(pieces)
+    normalised = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    assert b"".join(regions) == normalised
+    assert feed_all(SSEParser(), regions) == feed_all(SSEParser(), [raw])
+
+
+def test_framer_completes_a_final_event_without_blank_line() -> None:
+    f = SSEFramer()
+    assert f.feed(b"data: a\n\ndata: b") == b"data: a\n\n"
+    assert f.pending == len(b"data: b")
+    assert f.flush() == b"data: b\n\n"
+
+
+def test_find_line_only_matches_at_line_starts() -> None:
+    region = b'data: {"c":"data: [DONE]"}\n\ndata: [DONE]\n\n'
+    assert find_line(region, b"data: [DONE]") == region.index(b"\ndata: [DONE]") + 1
+    assert find_line(b"data: [DONE]\n\n", b"data: [DONE]") == 0
+    assert find_line(b'data: {"x": "data: [DONE]"}\n\n', b"data: [DONE]") == -1
