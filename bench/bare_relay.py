@@ -3,7 +3,6 @@
 python bench/bare_relay.py UPSTREAM_URL PORT
 """
 
-import asyncio
 import sys
 
 import aiohttp

@@ -89,8 +89,8 @@ http {{
     )
 
 
-async def wait_port(port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_port(port: int, limit_s: float = 20) -> None:
+    deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         try:
             _r, w = await asyncio.open_connection("127.0.0.1", port)
