@@ -99,6 +99,14 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
         log.info("request_rejected", request_id=rid, status=rej.status, reason=rej.code)
         return rej.response(base)
 
+    if rt.policy.server.log_prompts:
+        # Opt-in only: prompts can hold personal data.
+        log.info(
+            "prompt",
+            request_id=rid,
+            messages=parsed.body.get("messages"),
+            prompt=parsed.body.get("prompt"),
+        )
     rt.inflight += 1
     try:
         return await _try_backends(request, rt, endpoint, raw, parsed.body, parsed.stream, rid, t0)
