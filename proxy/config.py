@@ -19,18 +19,15 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
+from proxy.guard import GuardPolicy
+from proxy.knobs import knob
+from proxy.sessions import SessionsPolicy
+
 BackendKind = Literal["vllm", "transformers", "openai"]
 Tier = Literal["normal", "throttle", "failover", "maintenance"]
 
 
 # --------------------------------------------------------------------------- schema
-
-
-def knob(default: Any, doc: str) -> Any:
-    """A policy field with its documentation (rendered into the reference)."""
-    if isinstance(default, type) and dataclasses.is_dataclass(default):
-        return field(default_factory=default, metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +89,14 @@ class BackendPolicy:
     api_key: str | None = knob(
         None, "Sent as `Authorization: Bearer` to this backend instead of the client's header."
     )
+    tokenizer: str | None = knob(
+        None,
+        "Local directory of this backend's Hugging Face tokenizer, for token-exact "
+        "trimming (never downloaded); unset = the backend's /tokenize endpoint.",
+    )
+    max_model_len: int | None = knob(
+        None, "Context window in tokens; unset = read from the backend's /v1/models."
+    )
     timeouts: TimeoutPolicy = knob(TimeoutPolicy, "")
     pool: PoolPolicy = knob(PoolPolicy, "")
     health: HealthPolicy = knob(HealthPolicy, "")
@@ -101,14 +106,6 @@ class BackendPolicy:
 class BackendsPolicy:
     primary: BackendPolicy = field(metadata={"doc": "The main engine (vLLM)."})
     fallback: BackendPolicy | None = knob(None, "The fallback (Transformers server); optional.")
-
-
-@dataclass(frozen=True, slots=True)
-class SessionsPolicy:
-    store: str = knob("memory://", "`memory://` or `redis://host:port/db`.")
-    ttl_s: int = knob(86400, "Session lifetime, refreshed on use.")
-    max_turns: int = knob(20, "Turns kept per session.")
-    key_prefix: str = knob("brownout:", "Prefix of every Redis key.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +138,6 @@ class LadderPolicy:
     throttle: ThrottlePolicy = knob(ThrottlePolicy, "")
     failover: FailoverPolicy = knob(FailoverPolicy, "")
     maintenance: MaintenancePolicy = knob(MaintenancePolicy, "")
-
-
-@dataclass(frozen=True, slots=True)
-class GuardPolicy:
-    enabled: bool = knob(True, "Output guard on streamed answers.")
 
 
 @dataclass(frozen=True, slots=True)
