@@ -61,7 +61,7 @@ fi
 
 mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
-say "waiting for the install lock $VENV.lock"
+say "taking the install lock $VENV.lock"
 flock 9
 
 # Someone else may have finished while we waited.

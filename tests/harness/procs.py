@@ -40,9 +40,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def http_json(
-    method: str, url: str, body: Any = None, *, timeout: float = 30.0
-) -> tuple[int, Any]:
+def http_json(method: str, url: str, body: Any = None, *, timeout: float = 30.0) -> tuple[int, Any]:
     """One HTTP request with an optional JSON body; returns (status, decoded JSON or text).
 
     Error statuses are returned, not raised, so tests can assert on them.

@@ -1,0 +1,1 @@
+"""Test harness: real processes (vLLM CPU server, tiny model) and their fixtures."""
