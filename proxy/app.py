@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,7 @@ def create_app(policy: Policy) -> web.Application:
     metrics.tier.set_function(lambda: TIER_VALUES[rt.tier])
     app[RUNTIME] = rt
     app.cleanup_ctx.append(_upstreams)
+    app.cleanup_ctx.append(_ladder_loop)
 
     r = app.router
     r.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -33,18 +35,52 @@ def create_app(policy: Policy) -> web.Application:
     r.add_get("/readyz", handlers.readyz)
     r.add_get("/metrics", handlers.metrics)
     r.add_get("/brownout/status", handlers.status)
+    r.add_post("/brownout/tier", handlers.force_tier)
     return app
 
 
 async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     rt = app[RUNTIME]
-    backends = rt.policy.backends
+    pol = rt.policy
     async with contextlib.AsyncExitStack() as stack:
-        rt.add_upstream(
-            await stack.enter_async_context(running_upstream("primary", backends.primary))
-        )
-        if backends.fallback is not None:
-            rt.add_upstream(
-                await stack.enter_async_context(running_upstream("fallback", backends.fallback))
+        for name, bp in (("primary", pol.backends.primary), ("fallback", pol.backends.fallback)):
+            if bp is None:
+                continue
+            up = await stack.enter_async_context(
+                running_upstream(
+                    name,
+                    bp,
+                    pol.ladder.breaker,
+                    rt.clock,
+                    rt.on_breaker_change,
+                    pol.ladder.failover.probe_failures,
+                )
             )
+            rt.add_upstream(up)
         yield
+
+
+async def _ladder_loop(app: web.Application) -> AsyncIterator[None]:
+    """Evaluate the ladder every window; test open breakers with recovery probes."""
+    rt = app[RUNTIME]
+    task = asyncio.create_task(_evaluate_forever(rt), name="ladder")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _evaluate_forever(rt: Runtime) -> None:
+    window = rt.policy.ladder.recovery.window_s
+    while True:
+        await asyncio.sleep(window)
+        if rt.policy.ladder.failover.recovery_probe:
+            for up in rt.upstreams.values():
+                b = up.breaker
+                if b.state == "open" and rt.clock() >= b.retry_at() and b.allow():
+                    why = await up.recovery_probe()
+                    if why is None:
+                        rt.report_success(up)
+                    else:
+                        up.breaker.record_failure(f"recovery probe: {why}")
+        rt.evaluate()

@@ -19,12 +19,13 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
+from proxy.breaker import BreakerPolicy
 from proxy.guard import GuardPolicy
 from proxy.knobs import knob
+from proxy.ladder import RecoveryPolicy
 from proxy.sessions import SessionsPolicy
 
 BackendKind = Literal["vllm", "transformers", "openai"]
-Tier = Literal["normal", "throttle", "failover", "maintenance"]
 
 
 # --------------------------------------------------------------------------- schema
@@ -97,6 +98,14 @@ class BackendPolicy:
     max_model_len: int | None = knob(
         None, "Context window in tokens; unset = read from the backend's /v1/models."
     )
+    supports_continuation: bool | None = knob(
+        None,
+        "Whether the backend continues a partial assistant message "
+        "(`continue_final_message`); unset = yes for vllm and transformers.",
+    )
+    drop_params: tuple[str, ...] = knob(
+        (), "Request parameters removed before sending to this backend (it lacks them)."
+    )
     timeouts: TimeoutPolicy = knob(TimeoutPolicy, "")
     pool: PoolPolicy = knob(PoolPolicy, "")
     health: HealthPolicy = knob(HealthPolicy, "")
@@ -118,7 +127,28 @@ class ThrottlePolicy:
 class FailoverPolicy:
     enabled: bool = knob(True, "Tier 2: send traffic to the fallback when the primary fails.")
     on_connect_error: bool = knob(
-        True, "Try the fallback when the primary refuses connections (before any byte)."
+        True, "Try the other backend when one cannot be reached or fails before any byte."
+    )
+    max_attempts: int = knob(
+        2, "Backends tried per request before its first byte (never 4xx errors)."
+    )
+    rescue_streams: bool = knob(
+        True,
+        "Continue a stream that dies mid-answer on the fallback (partial assistant "
+        "message + continue_final_message) instead of ending it with an error event.",
+    )
+    ttft_limit_s: float = knob(
+        0.0, "A time to first token above this counts as a backend failure (0 = off)."
+    )
+    probe_failures: int = knob(
+        2,
+        "Consecutive failed health probes that mark a backend down (HTTP 503 from vLLM "
+        "and refused connections count at once).",
+    )
+    recovery_probe: bool = knob(
+        True,
+        "While a breaker is open, test the backend with /health plus a 1-token completion "
+        "before letting real traffic back.",
     )
 
 
@@ -138,12 +168,31 @@ class LadderPolicy:
     throttle: ThrottlePolicy = knob(ThrottlePolicy, "")
     failover: FailoverPolicy = knob(FailoverPolicy, "")
     maintenance: MaintenancePolicy = knob(MaintenancePolicy, "")
+    recovery: RecoveryPolicy = knob(RecoveryPolicy, "")
+    breaker: BreakerPolicy = knob(BreakerPolicy, "")
+
+
+@dataclass(frozen=True, slots=True)
+class FaqEntry:
+    question: str = field(metadata={"doc": "A question this entry answers."})
+    answer: str = field(metadata={"doc": "The answer sent in maintenance."})
+    keywords: tuple[str, ...] = knob((), "Extra words that point to this entry.")
+
+
+@dataclass(frozen=True, slots=True)
+class FaqFile:
+    entries: tuple[FaqEntry, ...] = knob((), "FAQ entries.")
 
 
 @dataclass(frozen=True, slots=True)
 class FaqPolicy:
-    file: str | None = knob(None, "FAQ YAML, relative to the policy file.")
-    threshold: float = knob(0.5, "Minimum match score for an FAQ answer.")
+    file: str | None = knob(
+        None, "FAQ YAML (`entries: [{question, answer, keywords}]`), relative to the policy."
+    )
+    entries: tuple[FaqEntry, ...] = knob((), "Inline FAQ entries (added to the file's).")
+    threshold: float = knob(
+        0.35, "Minimum match score (0–1) of the user's question for an FAQ answer."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,18 +461,46 @@ def parse_policy(text: str, file: str = "<string>", env: Mapping[str, str] | Non
 
 
 def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Policy:
-    """Read a policy file (blocking I/O: call at start-up or from a thread)."""
+    """Read a policy file and the files it names (blocking I/O: call at start-up
+    or from a thread)."""
     p = Path(path)
+    policy = parse_policy(_read_text(p), str(p), env)
+    if policy.faq.file:
+        faq_path = p.parent / policy.faq.file
+        faq = _parse_faq(_read_text(faq_path), str(faq_path))
+        policy = dataclasses.replace(
+            policy,
+            faq=dataclasses.replace(policy.faq, entries=faq.entries + policy.faq.entries),
+        )
+    return policy
+
+
+def _read_text(p: Path) -> str:
     try:
         raw = p.read_bytes()
     except OSError as exc:
-        raise PolicyError([PolicyIssue(str(p), 1, f"cannot read policy: {exc.strerror}")]) from None
+        raise PolicyError([PolicyIssue(str(p), 1, f"cannot read file: {exc.strerror}")]) from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise PolicyError([PolicyIssue(str(p), line, "policy is not valid UTF-8")]) from None
-    return parse_policy(text, str(p), env)
+        raise PolicyError([PolicyIssue(str(p), line, "file is not valid UTF-8")]) from None
+
+
+def _parse_faq(text: str, file: str) -> FaqFile:
+    conv = _Converter(file, {})
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        raise PolicyError([PolicyIssue(file, line, f"YAML syntax: {exc.problem}")]) from None
+    if root is None:
+        return FaqFile()
+    faq = conv.dataclass(root, FaqFile, "")
+    if conv.issues:
+        raise PolicyError(sorted(conv.issues, key=lambda i: i.line))
+    return faq
 
 
 def _type_label(tp: Any) -> str:

@@ -105,6 +105,43 @@ class Metrics:
             registry=r,
         )
 
+        self.transitions = Counter(
+            "brownout_tier_transitions",
+            "Ladder transitions by edge and reason.",
+            ["from", "to", "reason"],
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            "brownout_breaker_state",
+            "Circuit breaker state (0 closed, 1 half-open, 2 open).",
+            ["backend"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "brownout_breaker_transitions",
+            "Circuit breaker state changes.",
+            ["backend", "from", "to"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "brownout_retries",
+            "Requests retried on another backend before their first byte.",
+            ["from", "to"],
+            registry=r,
+        )
+        self.rescues = Counter(
+            "brownout_stream_rescues",
+            "Streams that died mid-answer, by outcome (rescued on the fallback, or failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.maintenance_answers = Counter(
+            "brownout_maintenance_answers",
+            "Answers given in maintenance, by kind (faq, notice).",
+            ["kind"],
+            registry=r,
+        )
+
     def for_backend(self, name: str) -> BackendMetrics:
         return BackendMetrics(
             ttft=self.ttft.labels(name),

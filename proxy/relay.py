@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,11 +64,22 @@ def error_status(data: bytes) -> tuple[int, bytes]:
 @dataclass(slots=True)
 class StreamResult:
     outcome: Outcome
-    status: int  # HTTP status the client saw
+    status: int  # HTTP status the client saw (or will see)
+    client: web.StreamResponse | None = None
+    # Set when the client has seen nothing yet: the error answer to send (or
+    # to drop, when the caller retries the request elsewhere).
+    response: web.Response | None = None
     events: int = 0
     headers_sent_at: float | None = None  # loop time of the client's first byte
     first_event_at: float | None = None  # loop time of the upstream's first event
     detail: str = ""
+    code: str = ""  # error code for an in-band error event
+    error_event: bytes = b""  # the upstream's own error event, when it sent one
+    regions: list[bytes] | None = None  # what was forwarded, when asked to keep it
+
+    @property
+    def started(self) -> bool:
+        return self.headers_sent_at is not None
 
 
 class _Pump:
@@ -160,16 +171,29 @@ async def relay_stream(
     heartbeat_s: float,
     first_byte_deadline: float,
     idle_s: float,
-) -> tuple[web.StreamResponse, StreamResult]:
+    client: web.StreamResponse | None = None,
+    keep: bool = False,
+) -> StreamResult:
     """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
 
     `first_byte_deadline` is a loop time by which the first event must arrive.
+    Pass `client` to continue an answer already under way (a rescue).
+
+    When the answer fails after the client has seen bytes, nothing terminal
+    is written here: the result says what happened (`outcome`, `code`,
+    `error_event`) and the caller either rescues the stream or ends it with
+    `end_with_error`. With `keep`, the forwarded regions are kept, so the
+    partial answer can be recovered without decoding every chunk on the way.
     """
-    client = web.StreamResponse(status=200, headers=headers)
+    if client is None:
+        client = web.StreamResponse(status=200, headers=headers)
     pump = _Pump(request, upstream, client, heartbeat_s, idle_s)
     loop = pump.loop
     framer = SSEFramer()
-    result = StreamResult("truncated", 200)
+    result = StreamResult("truncated", 200, client=client)
+    if keep:
+        result.regions = []
+    kept = result.regions
     content = upstream.content
     try:
         # ---- until the first event: failures can still be HTTP errors.
@@ -202,7 +226,9 @@ async def relay_stream(
                     result.outcome = "upstream_error"
                     result.status = status
                     result.detail = "backend sent an error before the answer"
-                    return _json_response(status, body, headers), result
+                    result.error_event = region[: region.find(b"\n\n") + 2]
+                    result.response = _json_response(status, body, headers)
+                    return result
 
         # ---- the answer: forward every complete event as soon as it is here.
         await pump.settle_heartbeat()
@@ -216,18 +242,35 @@ async def relay_stream(
             # Byte searches, not JSON: a region holds whole events with LF
             # line ends, and these markers can only match at a line start.
             result.events += region.count(b"\n\n")
-            if find_line(region, b'data: {"error"') >= 0:
+            err_at = find_line(region, b'data: {"error"')
+            if err_at >= 0:
+                # Forward what came before the error; the caller decides how
+                # the answer ends (rescue, or this error and [DONE]).
+                end = region.find(b"\n\n", err_at) + 2
+                result.error_event = region[err_at:end]
                 result.outcome = "upstream_error"
+                result.detail = "backend reported an error mid-answer"
+                result.code = "upstream_error"
+                if err_at:
+                    await write(region[:err_at])
+                    if kept is not None:
+                        kept.append(region[:err_at])
+                return result
             if not saw_finish and has_finish_reason(region):
                 saw_finish = True
             done_at = find_line(region, b"data: [DONE]")
             if done_at >= 0:
                 end = region.find(b"\n\n", done_at) + 2
-                await write(region[:end] if end < len(region) else region)
-                if result.outcome != "upstream_error":
-                    result.outcome = "complete"
-                return client, result
+                if end < len(region):
+                    region = region[:end]
+                await write(region)
+                if kept is not None:
+                    kept.append(region)
+                result.outcome = "complete"
+                return result
             await write(region)
+            if kept is not None:
+                kept.append(region)
             region = b""
             while not region:
                 try:
@@ -236,57 +279,60 @@ async def relay_stream(
                     if pump.timed_out:
                         result.outcome = "idle_timeout"
                         result.detail = f"backend silent for {idle_s:g}s mid-answer"
-                        code = "upstream_timeout"
+                        result.code = "upstream_timeout"
                     else:
                         result.outcome = "upstream_disconnect"
                         result.detail = f"backend connection lost mid-answer ({type(exc).__name__})"
-                        code = "upstream_disconnect"
-                    await write(error_events(result.detail, "server_error", code))
-                    return client, result
+                        result.code = "upstream_disconnect"
+                    return result
                 if not chunk:
                     region = framer.flush()
                     if region:
                         break  # a final event without its blank line
-                    return client, await _finish_eof(write, result, saw_finish)
+                    if saw_finish:
+                        # The answer finished; only the terminator was missing.
+                        await write(DONE_EVENT)
+                        result.outcome = "complete"
+                    else:
+                        result.outcome = "truncated"
+                        result.detail = "backend closed the stream before the answer finished"
+                        result.code = "upstream_truncated"
+                    return result
                 pump.last_activity = loop.time()
                 region = framer.feed(chunk)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         result.outcome = "client_disconnect"
-        return client, result
+        return result
     finally:
         pump.stop()
 
 
-async def _finish_eof(
-    write: Callable[[bytes], Awaitable[None]], result: StreamResult, saw_finish: bool
-) -> StreamResult:
-    """The upstream closed without [DONE]: say how the answer ended."""
-    if result.outcome == "upstream_error":
-        await write(DONE_EVENT)
-    elif saw_finish:
-        # The answer finished; only the terminator was missing.
-        result.outcome = "complete"
-        await write(DONE_EVENT)
-    else:
-        result.outcome = "truncated"
-        result.detail = "backend closed the stream before the answer finished"
-        await write(error_events(result.detail, "server_error", "upstream_truncated"))
-    return result
+async def end_with_error(result: StreamResult) -> None:
+    """End a started stream that failed: the upstream's own error event when it
+    sent one, else ours; then [DONE]. Never a silent truncation."""
+    client = result.client
+    if client is None:
+        return
+    with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+        if result.error_event:
+            await client.write(result.error_event + DONE_EVENT)
+        else:
+            await client.write(error_events(result.detail, "server_error", result.code))
 
 
-async def _fail(
-    pump: _Pump, result: StreamResult, status: int, code: str
-) -> tuple[web.StreamResponse, StreamResult]:
-    """End a stream that produced no answer: an HTTP error if the client has
-    not seen a status line yet, an in-band error event otherwise."""
+async def _fail(pump: _Pump, result: StreamResult, status: int, code: str) -> StreamResult:
+    """A stream that produced no answer: an HTTP error if the client has not
+    seen a status line yet (heartbeats may have gone out), in-band otherwise."""
     await pump.settle_heartbeat()
     pump.stop()
+    result.code = code
     if pump.client.prepared:
-        await pump.client.write(error_events(result.detail, "server_error", code))
-        return pump.client, result
+        result.headers_sent_at = pump.loop.time()
+        return result
     result.status = status
     body = error_body(result.detail, "server_error", code)
-    return _json_response(status, body, pump.client.headers), result
+    result.response = _json_response(status, body, pump.client.headers)
+    return result
 
 
 def _json_response(status: int, body: bytes, headers: Mapping[str, str]) -> web.Response:

@@ -1,21 +1,32 @@
-"""What a running proxy holds: the policy, its upstreams, its metrics.
+"""What a running proxy holds: policy, upstreams, ladder, metrics.
 
 One `Runtime` per app, stored under an `AppKey`; handlers read it, nothing
-lives at module level.
+lives at module level. Outcomes of requests come back here (`report_*`) and
+feed the breakers and the ladder.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import structlog
 from prometheus_client import Counter
 
-from proxy.config import Policy, Tier
+from proxy.breaker import STATE_VALUES
+from proxy.config import Policy
+from proxy.ladder import Destination, Ladder, Signals, Transition
+from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
 from proxy.upstream import Upstream
+
+log = structlog.get_logger("brownout.ladder")
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
@@ -24,26 +35,104 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 class Runtime:
     policy: Policy
     metrics: Metrics
+    clock: Callable[[], float] = time.monotonic
     upstreams: dict[str, Upstream] = field(default_factory=dict)
     backend_metrics: dict[str, BackendMetrics] = field(default_factory=dict)
-    tier: Tier = "normal"
     inflight: int = 0
     started_at: float = field(default_factory=time.time)
     _request_counters: dict[tuple[str, str, int], Counter] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.ladder = Ladder(self.policy.ladder.recovery, self.clock, self._on_transition)
+        self.maintenance = Maintenance(self.policy.faq, self.policy.ladder.maintenance)
+        self._wall_offset = time.time() - self.clock()
+        self._evaluate_soon: asyncio.Handle | None = None
+
+    @property
+    def tier(self) -> str:
+        return self.ladder.tier
+
     def add_upstream(self, upstream: Upstream) -> None:
         self.upstreams[upstream.name] = upstream
         self.backend_metrics[upstream.name] = self.metrics.for_backend(upstream.name)
+        self.metrics.breaker_state.labels(upstream.name).set_function(
+            lambda: STATE_VALUES[upstream.breaker.state]
+        )
 
-    def candidates(self) -> list[Upstream]:
-        """Backends to try for a request, in order. The ladder (tier 2+) will
-        reorder this; until then: the primary, then the fallback on connect
-        failure when the policy allows it."""
-        out = [self.upstreams["primary"]]
-        fb = self.upstreams.get("fallback")
-        if fb is not None and self.policy.ladder.failover.on_connect_error:
-            out.append(fb)
-        return out
+    # -- routing -----------------------------------------------------------------
+
+    def route(self) -> tuple[Destination, list[Upstream]]:
+        """Where a request goes: the ladder's destination and, for a backend,
+        the candidates to try in order before the first byte."""
+        dest = self.ladder.route()
+        if dest == "maintenance":
+            return dest, []
+        primary = self.upstreams["primary"]
+        fallback = self.upstreams.get("fallback")
+        if dest == "primary" or fallback is None:
+            order = [primary] if fallback is None else [primary, fallback]
+        else:
+            order = [fallback, primary]
+        if not self.policy.ladder.failover.on_connect_error:
+            order = order[:1]
+        return dest, order[: self.policy.ladder.failover.max_attempts]
+
+    # -- signals -----------------------------------------------------------------
+
+    def signals(self) -> Signals:
+        p = self.upstreams["primary"]
+        f = self.upstreams.get("fallback")
+        failover_on = self.policy.ladder.failover.enabled
+        primary_ok = p.available or not failover_on
+        fallback_ok = f is not None and f.available
+        detail = ""
+        if not p.available:
+            detail = _why(p)
+        elif f is not None and not f.available:
+            detail = _why(f)
+        return Signals(primary_ok=primary_ok, fallback_ok=fallback_ok, detail=detail)
+
+    def evaluate(self) -> Transition | None:
+        return self.ladder.evaluate(self.signals())
+
+    def evaluate_soon(self) -> None:
+        """Re-evaluate right after the current callback (a breaker just moved):
+        detection should not wait for the next window."""
+        if self._evaluate_soon is None:
+            loop = asyncio.get_running_loop()
+            self._evaluate_soon = loop.call_soon(self._evaluate_now)
+
+    def _evaluate_now(self) -> None:
+        self._evaluate_soon = None
+        self.evaluate()
+
+    def report_success(self, up: Upstream) -> None:
+        up.breaker.record_success()
+
+    def report_failure(self, up: Upstream, kind: str, detail: str = "") -> None:
+        self.metrics.upstream_errors.labels(up.name, kind).inc()
+        up.breaker.record_failure(f"{kind}: {detail}" if detail else kind)
+        self.ladder.report_failure(up.name)
+
+    def on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:
+        self.metrics.breaker_transitions.labels(name, old, new).inc()
+        log.warning("breaker_changed", backend=name, old=old, new=new, reason=reason)
+        # No running loop only in unit tests of the breaker alone.
+        with contextlib.suppress(RuntimeError):
+            self.evaluate_soon()
+
+    def _on_transition(self, t: Transition) -> None:
+        self.metrics.transitions.labels(t.from_tier, t.to_tier, t.reason).inc()
+        log.warning(
+            "tier_changed",
+            from_tier=t.from_tier,
+            to_tier=t.to_tier,
+            reason=t.reason,
+            detail=t.detail,
+        )
+
+    def wall(self, clock_time: float) -> float:
+        return round(clock_time + self._wall_offset, 3)
 
     def count_request(self, backend: str, endpoint: str, status: int) -> None:
         key = (backend, endpoint, status)
@@ -52,6 +141,55 @@ class Runtime:
             child = self.metrics.requests.labels(backend, endpoint, str(status))
             self._request_counters[key] = child
         child.inc()
+
+    # -- status ------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        backends = {}
+        for name, up in self.upstreams.items():
+            h = up.health
+            backends[name] = {
+                "url": up.policy.url,
+                "kind": up.policy.kind,
+                "healthy": h.healthy,
+                "down": up.down,
+                "last_error": h.last_error,
+                "last_probe_at": h.last_probe_at,
+                "consecutive_probe_failures": h.consecutive_failures,
+                "breaker": up.breaker.state,
+                "breaker_detail": up.breaker.snapshot(),
+                "model": up.policy.model or up.served_model,
+                "max_model_len": up.max_model_len,
+            }
+        lad = self.ladder.snapshot()
+        lad["since"] = self.wall(float(lad["since"]))  # type: ignore[arg-type]
+        return {
+            "tier": self.ladder.tier,
+            "ladder": lad,
+            "history": [
+                {
+                    "at": self.wall(t.at),
+                    "from": t.from_tier,
+                    "to": t.to_tier,
+                    "reason": t.reason,
+                    "detail": t.detail,
+                }
+                for t in self.ladder.history
+            ],
+            "backends": backends,
+            "concurrency": {
+                "limit": self.policy.ladder.throttle.max_inflight,
+                "inflight": self.inflight,
+            },
+            "policy": {"source": self.policy.source},
+            "uptime_s": round(time.time() - self.started_at, 1),
+        }
+
+
+def _why(up: Upstream) -> str:
+    if up.breaker.state != "closed":
+        return f"{up.name} breaker {up.breaker.state}: {up.breaker.last_reason}"
+    return f"{up.name} health: {up.health.last_error}"
 
 
 def request_id(incoming: str | None) -> str:

@@ -130,4 +130,6 @@ def chunk(content: str, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+NO_MAINTENANCE = "ladder:\n  maintenance:\n    enabled: false\n"
+
 CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}

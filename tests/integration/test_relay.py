@@ -12,6 +12,7 @@ from aiohttp import web
 from proxy.sse import SSEParser
 from tests.integration.conftest import (
     CHAT_BODY,
+    NO_MAINTENANCE,
     FakeUpstream,
     ProxyFactory,
     chunk,
@@ -109,7 +110,7 @@ async def test_upstream_http_error_before_first_byte_is_openai_shaped(
         return web.Response(status=503, text="<html>overloaded</html>", content_type="text/html")
 
     fake_upstream.handlers["/v1/chat/completions"] = html_503
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(make_policy(fake_upstream.url, extra=NO_MAINTENANCE))
     async with proxy.session.post(proxy.url + "/v1/chat/completions", json=CHAT_BODY) as resp:
         assert resp.status == 503
         assert resp.headers["Content-Type"].startswith("application/json")
@@ -150,7 +151,7 @@ async def test_error_event_before_any_content_becomes_http_error(
         return resp
 
     fake_upstream.handlers["/v1/chat/completions"] = handler
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(make_policy(fake_upstream.url, extra=NO_MAINTENANCE))
     async with proxy.session.post(proxy.url + "/v1/chat/completions", json=CHAT_BODY) as resp:
         assert resp.status == 500
         assert (await resp.json())["error"]["message"].startswith("EngineCore")
@@ -394,8 +395,9 @@ async def test_primary_refusing_connections_fails_over(
         assert resp.headers["X-Brownout-Backend"] == "fallback"
 
     # Both down: a clear 502, not a hang or a crash.
-    proxy2 = await start_proxy(make_policy(dead, f"http://127.0.0.1:{free_port()}"))
+    proxy2 = await start_proxy(
+        make_policy(dead, f"http://127.0.0.1:{free_port()}", extra=NO_MAINTENANCE)
+    )
     async with proxy2.session.post(proxy2.url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 502
-        assert resp.headers["x-should-retry"] == "false"
         assert (await resp.json())["error"]["code"] == "upstream_unreachable"

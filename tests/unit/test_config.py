@@ -114,7 +114,7 @@ def test_cli_check(tmp_path: Path) -> None:
     assert res.stderr.startswith(f"{bad}:5: unknown key 'backends.primary.timeouts.idle'")
     missing = _check(tmp_path / "nope.yaml")
     assert missing.returncode != 0
-    assert "nope.yaml:1: cannot read policy" in missing.stderr
+    assert "nope.yaml:1: cannot read file" in missing.stderr
 
 
 def test_policy_reference_doc_is_current() -> None:

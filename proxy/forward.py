@@ -1,0 +1,497 @@
+"""The request flow for completions: route → attempts → relay → rescue.
+
+    validate ─► ladder.route() ─► maintenance answer
+                     │
+                     ▼
+        candidates (breaker allows) ─► attempt ─► non-stream: relay bytes
+                     ▲                   │        stream: relay events
+                     └── retry ◄─────────┤ failed before the first byte
+                                         │ (refused, 5xx, timeout, error event;
+                                         │  never a 4xx)
+                                         ▼
+                          died mid-answer ─► rescue on the fallback
+                                             (continue the partial answer)
+                                             or end with an error event
+
+Every outcome is reported to the backend's breaker and the ladder; every
+request ends with one metric update and one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.errors import JSON_CT, error_body, error_response
+from proxy.maintenance import last_user_text, render_json, render_stream
+from proxy.relay import StreamResult, end_with_error, relay_stream
+from proxy.rescue import continuation_body, partial_text
+from proxy.runtime import Runtime
+from proxy.upstream import HOP_BY_HOP, Upstream
+from proxy.validate import Endpoint
+
+log = structlog.get_logger("brownout.request")
+
+_RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+def upstream_headers(request: web.Request, up: Upstream, rid: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in request.headers.items():
+        if k.lower() not in HOP_BY_HOP:
+            out.add(k, v)
+    out["X-Request-Id"] = rid
+    # Relayed bytes are parsed (SSE) or passed through verbatim: no compression.
+    out["Accept-Encoding"] = "identity"
+    if up.auth_header is not None:
+        out["Authorization"] = up.auth_header
+    return out
+
+
+def upstream_error_body(status: int, body: bytes) -> bytes:
+    """The upstream's error body if it is already OpenAI-shaped, else a wrapped one."""
+    try:
+        obj = json.loads(body)
+        if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+            return body
+    except ValueError:
+        pass
+    text = body[:200].decode("utf-8", "replace").strip() or f"HTTP {status}"
+    return error_body(f"backend error: {text}", "server_error", status)
+
+
+class Flow:
+    """One completion request on its way through the ladder."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        rt: Runtime,
+        endpoint: Endpoint,
+        raw: bytes,
+        body: dict[str, Any],
+        stream: bool,
+        rid: str,
+        t0: float,
+    ) -> None:
+        self.request = request
+        self.rt = rt
+        self.endpoint = endpoint
+        self.raw = raw
+        self.body = body
+        self.stream = stream
+        self.rid = rid
+        self.t0 = t0
+        self.loop = asyncio.get_running_loop()
+        self.last_error: tuple[int, bytes, str] | None = None  # status, body, backend
+        self.rescued = False
+        self.overhead_pre = 0.0
+        self._adapted: dict[str, dict[str, Any]] = {}
+
+    # -- the flow ----------------------------------------------------------------
+
+    async def run(self) -> web.StreamResponse:
+        rt = self.rt
+        dest, candidates = rt.route()
+        if dest == "maintenance":
+            return self.maintenance(f"tier {rt.tier}")
+        prev: Upstream | None = None
+        for up in candidates:
+            if not up.breaker.allow():
+                continue
+            if prev is not None:
+                rt.metrics.retries.labels(prev.name, up.name).inc()
+                log.info("retry", request_id=self.rid, from_backend=prev.name, to_backend=up.name)
+            prev = up
+            response = await self.attempt(up)
+            if response is not None:
+                return response
+        return self.all_failed()
+
+    def all_failed(self) -> web.StreamResponse:
+        if self.rt.policy.ladder.maintenance.enabled:
+            return self.maintenance("no backend could answer")
+        if self.last_error is not None:
+            status, body, backend = self.last_error
+            return self._error_passthrough(status, body, backend)
+        return self.error(502, "no backend could be reached", "upstream_unreachable", "none")
+
+    async def attempt(self, up: Upstream) -> web.StreamResponse | None:
+        """Try one backend; None means "failed before the first byte, retry"."""
+        rt = self.rt
+        payload = self.payload_for(up)
+        url = up.chat_url if self.endpoint == "chat" else up.completions_url
+        headers = upstream_headers(self.request, up, self.rid)
+        t_call = self.loop.time()
+        self.overhead_pre = t_call - self.t0
+        deadline = t_call + up.policy.timeouts.first_byte_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                resp = await up.session.post(url, data=payload, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            reason = exc.os_error.strerror or str(exc)
+            rt.report_failure(up, "connect", reason)
+            self.last_error = (
+                502,
+                error_body(
+                    f"{up.name} backend unreachable: {reason}",
+                    "server_error",
+                    "upstream_unreachable",
+                ),
+                up.name,
+            )
+            return None
+        except TimeoutError:
+            rt.report_failure(up, "first_byte_timeout")
+            self.last_error = (
+                504,
+                error_body(
+                    "backend did not answer before the deadline", "server_error", "upstream_timeout"
+                ),
+                up.name,
+            )
+            return None
+        except aiohttp.ClientError as exc:
+            rt.report_failure(up, "request", type(exc).__name__)
+            self.last_error = (
+                502,
+                error_body(
+                    f"backend request failed: {type(exc).__name__}",
+                    "server_error",
+                    "upstream_error",
+                ),
+                up.name,
+            )
+            return None
+        try:
+            ctype = resp.headers.get("Content-Type", JSON_CT)
+            if not self.stream or resp.status != 200 or not ctype.startswith("text/event-stream"):
+                return await self.relay_body(up, resp, ctype)
+            return await self.relay_events(up, resp, ctype, deadline, t_call)
+        finally:
+            if resp.content.is_eof():
+                resp.release()
+            else:
+                # Not fully read (client left, error, timeout): closing the
+                # connection makes vLLM abort the request and free its KV cache.
+                resp.close()
+
+    async def relay_body(
+        self, up: Upstream, resp: aiohttp.ClientResponse, ctype: str
+    ) -> web.StreamResponse | None:
+        rt = self.rt
+        t_upstream = self.loop.time()
+        try:
+            async with asyncio.timeout(up.policy.timeouts.idle_s):
+                body = await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            rt.report_failure(up, "body", type(exc).__name__)
+            self.last_error = (
+                502,
+                error_body(
+                    f"backend answer could not be read: {type(exc).__name__}",
+                    "server_error",
+                    "upstream_error",
+                ),
+                up.name,
+            )
+            return None
+        if resp.status in _RETRYABLE_STATUS:
+            if resp.status != 429:  # 429 is load, not a broken backend
+                rt.report_failure(up, f"http_{resp.status}")
+            self.last_error = (resp.status, upstream_error_body(resp.status, body), up.name)
+            return None
+        rt.report_success(up)  # a 4xx is the request's fault, not the backend's
+        headers = self.response_headers(up.name)
+        if resp.status >= 400:
+            body = upstream_error_body(resp.status, body)
+            ctype = JSON_CT
+        headers["Content-Type"] = ctype
+        out = web.Response(status=resp.status, body=body, headers=headers)
+        now = self.loop.time()
+        rt.metrics.overhead.observe(self.overhead_pre + (now - t_upstream))
+        self.finish(up.name, resp.status, now, outcome="complete")
+        return out
+
+    async def relay_events(
+        self,
+        up: Upstream,
+        resp: aiohttp.ClientResponse,
+        ctype: str,
+        deadline: float,
+        t_call: float,
+    ) -> web.StreamResponse | None:
+        rt = self.rt
+        headers = self.response_headers(up.name)
+        headers["Content-Type"] = ctype
+        headers["Cache-Control"] = "no-cache"
+        headers["X-Accel-Buffering"] = "no"
+        result = await relay_stream(
+            self.request,
+            resp,
+            headers,
+            heartbeat_s=rt.policy.server.heartbeat_s,
+            first_byte_deadline=deadline,
+            idle_s=up.policy.timeouts.idle_s,
+            keep=self.can_rescue(up),
+        )
+        if not result.started:
+            assert result.response is not None
+            if result.status in _RETRYABLE_STATUS:
+                if result.status != 429:
+                    rt.report_failure(up, result.outcome, result.detail)
+                self.last_error = (result.status, result.response.body or b"", up.name)  # type: ignore[assignment]
+                return None
+            rt.report_success(up)
+            self.finish_stream(up.name, result)
+            return result.response
+        if result.outcome == "complete":
+            limit = rt.policy.ladder.failover.ttft_limit_s
+            ttft = (result.first_event_at or t_call) - t_call
+            if limit and ttft > limit:
+                rt.report_failure(up, "slow_ttft", f"{ttft:.2f}s")
+            else:
+                rt.report_success(up)
+        elif result.outcome != "client_disconnect":
+            rt.report_failure(up, result.outcome, result.detail)
+            if not await self.rescue(up, result):
+                await end_with_error(result)
+        self.finish_stream(up.name, result)
+        assert result.client is not None
+        return result.client
+
+    # -- rescue ------------------------------------------------------------------
+
+    def can_rescue(self, up: Upstream) -> bool:
+        fb = self.rt.upstreams.get("fallback")
+        return (
+            self.rt.policy.ladder.failover.rescue_streams
+            and fb is not None
+            and fb is not up
+            and fb.supports_continuation
+        )
+
+    async def rescue(self, up: Upstream, result: StreamResult) -> bool:
+        """Continue a dead stream on the fallback. True when the stream was
+        ended here (rescued, or failed with its own error event)."""
+        rt = self.rt
+        fb = rt.upstreams.get("fallback")
+        if fb is None or not self.can_rescue(up) or result.regions is None:
+            return False
+        if not fb.breaker.allow():
+            rt.metrics.rescues.labels("fallback_unavailable").inc()
+            return False
+        partial, produced = partial_text(result.regions, self.endpoint)
+        body = continuation_body(self.adapted(fb), partial, produced, self.endpoint)
+        client = result.client
+        assert client is not None
+        log.warning(
+            "stream_rescue",
+            request_id=self.rid,
+            from_backend=up.name,
+            to_backend=fb.name,
+            reason=result.outcome,
+            partial_chars=len(partial),
+        )
+        url = fb.chat_url if self.endpoint == "chat" else fb.completions_url
+        deadline = self.loop.time() + fb.policy.timeouts.first_byte_s
+        try:
+            # An SSE comment: invisible to OpenAI clients, visible on the wire.
+            note = f": brownout-rescue from={up.name} to={fb.name} reason={result.outcome}\n\n"
+            await client.write(note.encode())
+            async with asyncio.timeout_at(deadline):
+                resp = await fb.session.post(
+                    url, json=body, headers=upstream_headers(self.request, fb, self.rid)
+                )
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return True  # the client left; nothing more to say
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            rt.report_failure(fb, "rescue", type(exc).__name__)
+            rt.metrics.rescues.labels("failed").inc()
+            return False
+        try:
+            if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith(
+                "text/event-stream"
+            ):
+                await resp.read()
+                if resp.status >= 500:
+                    rt.report_failure(fb, f"http_{resp.status}")
+                rt.metrics.rescues.labels("failed").inc()
+                return False
+            more = await relay_stream(
+                self.request,
+                resp,
+                {},
+                heartbeat_s=rt.policy.server.heartbeat_s,
+                first_byte_deadline=deadline,
+                idle_s=fb.policy.timeouts.idle_s,
+                client=client,
+                keep=True,
+            )
+        finally:
+            if resp.content.is_eof():
+                resp.release()
+            else:
+                resp.close()
+        result.events += more.events
+        if result.regions is not None and more.regions:
+            result.regions.extend(more.regions)
+        if more.outcome == "complete":
+            rt.report_success(fb)
+            rt.metrics.rescues.labels("rescued").inc()
+            result.outcome = "complete"
+            result.detail = f"rescued on {fb.name} after {result.detail or up.name + ' failed'}"
+            self.rescued = True
+            return True
+        if more.outcome == "client_disconnect":
+            result.outcome = "client_disconnect"
+            return True
+        rt.report_failure(fb, more.outcome, more.detail)
+        rt.metrics.rescues.labels("failed").inc()
+        await end_with_error(more)
+        result.outcome = more.outcome
+        result.detail = f"rescue on {fb.name} failed: {more.detail}"
+        return True
+
+    # -- request adaptation ------------------------------------------------------
+
+    def adapted(self, up: Upstream) -> dict[str, Any]:
+        """The body as this backend should get it: model name, parameters it
+        lacks removed, max_tokens within its window."""
+        cached = self._adapted.get(up.name)
+        if cached is not None:
+            return cached
+        body = self.body
+        out: dict[str, Any] | None = None
+        model = up.policy.model
+        if model is not None and body.get("model") != model:
+            out = dict(body)
+            out["model"] = model
+        drop = [k for k in up.drop_params if k in body]
+        if drop:
+            out = dict(out or body)
+            for k in drop:
+                del out[k]
+        window = up.max_model_len
+        if window:
+            for key in ("max_tokens", "max_completion_tokens"):
+                v = body.get(key)
+                if isinstance(v, int) and v >= window:
+                    out = dict(out or body)
+                    out[key] = max(1, window // 2)
+        result = out if out is not None else body
+        self._adapted[up.name] = result
+        return result
+
+    def payload_for(self, up: Upstream) -> bytes:
+        adapted = self.adapted(up)
+        # Unchanged bodies go upstream as the client sent them.
+        return self.raw if adapted is self.body else json.dumps(adapted).encode()
+
+    # -- answers -----------------------------------------------------------------
+
+    def response_headers(self, backend: str) -> dict[str, str]:
+        return {
+            "X-Request-Id": self.rid,
+            "X-Brownout-Tier": self.rt.tier,
+            "X-Brownout-Backend": backend,
+        }
+
+    def maintenance(self, why: str) -> web.Response:
+        rt = self.rt
+        pol = rt.policy.ladder.maintenance
+        ans = rt.maintenance.answer(last_user_text(self.body))
+        rt.metrics.maintenance_answers.labels(ans.kind).inc()
+        model = self.body.get("model") or "brownout-maintenance"
+        headers = self.response_headers("maintenance")
+        headers["Retry-After"] = str(pol.retry_after_s)
+        if pol.status_code == 503:
+            headers["x-should-retry"] = "false"
+        if self.stream:
+            opts = self.body.get("stream_options") or {}
+            body = render_stream(ans.text, model, self.endpoint, bool(opts.get("include_usage")))
+            headers["Content-Type"] = "text/event-stream; charset=utf-8"
+            headers["Cache-Control"] = "no-cache"
+            headers["X-Accel-Buffering"] = "no"
+        else:
+            body = render_json(ans.text, model, self.endpoint)
+            headers["Content-Type"] = JSON_CT
+        now = self.loop.time()
+        self.finish(
+            "maintenance", pol.status_code, now, outcome=f"maintenance_{ans.kind}", detail=why
+        )
+        return web.Response(status=pol.status_code, body=body, headers=headers)
+
+    def _error_passthrough(self, status: int, body: bytes, backend: str) -> web.Response:
+        headers = self.response_headers(backend)
+        headers["Content-Type"] = JSON_CT
+        self.finish(backend, status, self.loop.time(), outcome="error")
+        return web.Response(status=status, body=body, headers=headers)
+
+    def error(self, status: int, message: str, code: str, backend: str) -> web.Response:
+        self.finish(backend, status, self.loop.time(), outcome="error", detail=message)
+        headers = self.response_headers(backend)
+        headers["x-should-retry"] = "false"
+        return error_response(status, message, type_="server_error", code=code, headers=headers)
+
+    # -- bookkeeping -------------------------------------------------------------
+
+    def finish_stream(self, backend: str, result: StreamResult) -> None:
+        rt = self.rt
+        now = self.loop.time()
+        if result.first_event_at is not None and result.headers_sent_at is not None:
+            rt.metrics.overhead.observe(
+                self.overhead_pre + max(0.0, result.headers_sent_at - result.first_event_at)
+            )
+        if result.outcome == "client_disconnect":
+            rt.metrics.client_disconnects.labels(backend).inc()
+        elif result.outcome != "complete" and result.started:
+            rt.metrics.stream_errors.labels(backend, result.outcome).inc()
+        self.finish(
+            backend,
+            result.status,
+            now,
+            outcome=result.outcome,
+            ttft=(result.headers_sent_at - self.t0) if result.headers_sent_at else None,
+            events=result.events,
+            detail=result.detail,
+        )
+
+    def finish(
+        self,
+        backend: str,
+        status: int,
+        now: float,
+        *,
+        outcome: str,
+        ttft: float | None = None,
+        events: int | None = None,
+        detail: str = "",
+    ) -> None:
+        rt = self.rt
+        rt.count_request(backend, self.endpoint, status)
+        bm = rt.backend_metrics.get(backend)
+        if bm is not None:
+            bm.duration.observe(now - self.t0)
+            bm.ttft.observe(ttft if ttft is not None else now - self.t0)
+        log.info(
+            "request",
+            request_id=self.rid,
+            endpoint=self.endpoint,
+            backend=backend,
+            tier=rt.tier,
+            status=status,
+            stream=self.stream,
+            outcome=outcome,
+            duration_ms=round((now - self.t0) * 1000, 2),
+            ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
+            events=events,
+            **({"rescued": True} if self.rescued else {}),
+            **({"detail": detail} if detail else {}),
+        )
