@@ -1,0 +1,157 @@
+"""The admission limiter: limit, FIFO, priorities, deadlines, Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.admission import Admission, AdmissionPolicy, Priority, Rejected
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**kw: object) -> tuple[Admission, Clock]:
+    clock = Clock()
+    return Admission(AdmissionPolicy(**kw), clock), clock  # type: ignore[arg-type]
+
+
+async def test_limit_then_fifo() -> None:
+    adm, _ = make(max_inflight=2, queue_size=10, queue_timeout_s=5)
+    await adm.acquire("normal")
+    await adm.acquire("normal")
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        await adm.acquire("normal")
+        order.append(i)
+
+    tasks = [asyncio.create_task(wait(i)) for i in range(4)]
+    await asyncio.sleep(0)
+    assert adm.inflight == 2
+    assert adm.queued == 4
+    for _ in range(4):
+        adm.release()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3]
+    assert adm.inflight == 2
+
+
+async def test_priorities_are_served_first_and_shed_last() -> None:
+    adm, _ = make(max_inflight=1, queue_size=2, queue_timeout_s=5)
+    await adm.acquire("normal")
+    got: list[str] = []
+
+    async def wait(p: Priority) -> None:
+        try:
+            await adm.acquire(p)
+            got.append(p)
+        except Rejected as r:
+            got.append(f"{p}:{r.reason}")
+
+    t1 = asyncio.create_task(wait("sheddable"))
+    t2 = asyncio.create_task(wait("normal"))
+    await asyncio.sleep(0)
+    # Queue full: a critical request evicts the newest sheddable waiter.
+    t3 = asyncio.create_task(wait("critical"))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert got == ["sheddable:evicted"]
+    # Queue full again and nothing lower than sheddable: refused at once.
+    with pytest.raises(Rejected) as info:
+        await adm.acquire("sheddable")
+    assert info.value.reason == "queue_full"
+    adm.release()
+    await asyncio.sleep(0)
+    adm.release()
+    await asyncio.gather(t1, t2, t3)
+    assert got == ["sheddable:evicted", "critical", "normal"]
+
+
+async def test_queue_timeout_and_expected_wait() -> None:
+    adm, clock = make(max_inflight=1, queue_size=10, queue_timeout_s=0.05)
+    await adm.acquire("normal")
+    with pytest.raises(Rejected) as info:
+        await adm.acquire("normal")
+    assert info.value.reason == "queue_timeout"
+    assert adm.queued == 0
+    # With a measured drain rate of 1/s, 10 waiters can't make a 0.05 s deadline.
+    clock.t += 1
+    adm.release()
+    await adm.acquire("normal")
+    with pytest.raises(Rejected) as info:
+        await adm.acquire("normal")
+    assert info.value.reason == "deadline"
+    assert 1 <= info.value.retry_after <= 60
+
+
+async def test_throttle_sheds_sheddable_at_once() -> None:
+    adm, _ = make(max_inflight=10)
+    adm.shed_sheddable = True
+    with pytest.raises(Rejected) as info:
+        await adm.acquire("sheddable")
+    assert info.value.reason == "shed"
+    await adm.acquire("normal")
+
+
+async def test_lower_limit_holds_new_requests() -> None:
+    adm, _ = make(max_inflight=4, queue_timeout_s=5)
+    for _ in range(3):
+        await adm.acquire("normal")
+    adm.set_limit(2)
+    t = asyncio.create_task(adm.acquire("normal"))
+    await asyncio.sleep(0)
+    assert not t.done()
+    adm.release()
+    adm.release()
+    await asyncio.sleep(0)
+    assert t.done()
+    assert adm.inflight == 2
+
+
+def test_retry_after_follows_drain_rate() -> None:
+    adm, clock = make(max_inflight=1, queue_timeout_s=10)
+    assert adm.retry_after() == 10  # no rate measured yet: the deadline
+    adm.inflight = 20
+    for _ in range(20):
+        clock.t += 0.1  # 10 completions per second
+        adm.release()
+    assert adm.drain_rate() == pytest.approx(10, rel=0.05)
+    assert adm.retry_after(position=49) == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(st.sampled_from(["critical", "normal", "sheddable"]), st.just("release")),
+        max_size=60,
+    ),
+    limit=st.integers(min_value=1, max_value=4),
+)
+def test_never_exceeds_the_limit(ops: list[str], limit: int) -> None:
+    async def run() -> None:
+        adm, _ = make(max_inflight=limit, queue_size=3, queue_timeout_s=5)
+        tasks: list[asyncio.Task[None]] = []
+        for op in ops:
+            if op == "release":
+                if adm.inflight:
+                    adm.release()
+            else:
+                tasks.append(asyncio.create_task(adm.acquire(op)))  # type: ignore[arg-type]
+            await asyncio.sleep(0)
+            assert adm.inflight <= adm.limit
+            assert adm.queued <= 3
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
