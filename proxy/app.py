@@ -6,14 +6,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import aiohttp
 from aiohttp import web
 
 from proxy import handlers
 from proxy.config import Policy
 from proxy.keys import RUNTIME
 from proxy.metrics import TIER_VALUES, Metrics
+from proxy.pressure import parse_vllm_metrics
 from proxy.runtime import Runtime
-from proxy.upstream import running_upstream
+from proxy.upstream import Upstream, running_upstream
 
 
 def create_app(policy: Policy) -> web.Application:
@@ -26,6 +28,7 @@ def create_app(policy: Policy) -> web.Application:
     app[RUNTIME] = rt
     app.cleanup_ctx.append(_upstreams)
     app.cleanup_ctx.append(_ladder_loop)
+    app.cleanup_ctx.append(_engine_scrape)
 
     r = app.router
     r.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -83,4 +86,35 @@ async def _evaluate_forever(rt: Runtime) -> None:
                         rt.report_success(up)
                     else:
                         up.breaker.record_failure(f"recovery probe: {why}")
-        rt.evaluate()
+        rt.evaluate(window=True)
+
+
+async def _engine_scrape(app: web.Application) -> AsyncIterator[None]:
+    """Read vLLM's own load gauges from the primary's /metrics."""
+    rt = app[RUNTIME]
+    interval = rt.policy.ladder.throttle.scrape_interval_s
+    primary = rt.upstreams.get("primary")
+    if primary is None or primary.policy.kind != "vllm" or interval <= 0:
+        yield
+        return
+    task = asyncio.create_task(_scrape_forever(rt, primary, interval), name="engine-scrape")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _scrape_forever(rt: Runtime, up: Upstream, interval: float) -> None:
+    url = up.base.with_path("/metrics")
+    timeout = aiohttp.ClientTimeout(total=max(0.5, interval))
+    while True:
+        try:
+            async with up.session.get(url, timeout=timeout) as resp:
+                text = await resp.text()
+            if resp.status == 200:
+                rt.pressure.update_engine(parse_vllm_metrics(text))
+            else:
+                rt.pressure.engine.error = f"/metrics returned HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            rt.pressure.engine.error = f"{type(exc).__name__}"
+        await asyncio.sleep(interval)

@@ -23,6 +23,7 @@ from proxy.breaker import BreakerPolicy
 from proxy.guard import GuardPolicy
 from proxy.knobs import knob
 from proxy.ladder import RecoveryPolicy
+from proxy.pressure import ThrottlePolicy
 from proxy.sessions import SessionsPolicy
 
 BackendKind = Literal["vllm", "transformers", "openai"]
@@ -115,12 +116,6 @@ class BackendPolicy:
 class BackendsPolicy:
     primary: BackendPolicy = field(metadata={"doc": "The main engine (vLLM)."})
     fallback: BackendPolicy | None = knob(None, "The fallback (Transformers server); optional.")
-
-
-@dataclass(frozen=True, slots=True)
-class ThrottlePolicy:
-    enabled: bool = knob(True, "Tier 1: hold concurrency when the engine saturates.")
-    max_inflight: int = knob(64, "Admission limit; normally vLLM's `--max-num-seqs`.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +430,13 @@ def _semantic_checks(policy: Policy, root: yaml.Node, conv: _Converter) -> None:
         )
     if policy.sessions.max_turns < 1:
         conv.issue(at("sessions", "max_turns"), "sessions.max_turns: must be >= 1")
+    for kp in policy.ladder.throttle.key_priorities:
+        key, sep, prio = kp.rpartition("=")
+        if not sep or not key or prio not in ("critical", "normal", "sheddable"):
+            conv.issue(
+                at("ladder", "throttle", "key_priorities"),
+                f"ladder.throttle.key_priorities: {kp!r} is not KEY=critical|normal|sheddable",
+            )
     if policy.ladder.throttle.max_inflight < 1:
         conv.issue(
             at("ladder", "throttle", "max_inflight"), "ladder.throttle.max_inflight: must be >= 1"

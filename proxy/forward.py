@@ -28,6 +28,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.admission import Priority, Rejected
 from proxy.errors import JSON_CT, error_body, error_response
 from proxy.maintenance import last_user_text, render_json, render_stream
 from proxy.relay import StreamResult, end_with_error, relay_stream
@@ -79,8 +80,10 @@ class Flow:
         stream: bool,
         rid: str,
         t0: float,
+        priority: Priority = "normal",
     ) -> None:
         self.request = request
+        self.priority = priority
         self.rt = rt
         self.endpoint = endpoint
         self.raw = raw
@@ -124,6 +127,41 @@ class Flow:
 
     async def attempt(self, up: Upstream) -> web.StreamResponse | None:
         """Try one backend; None means "failed before the first byte, retry"."""
+        rt = self.rt
+        if up.name != "primary" or not rt.policy.ladder.throttle.enabled:
+            return await self._attempt(up)
+        # The proxy holds the line in front of the engine (vLLM never says 429).
+        try:
+            await rt.admission.acquire(self.priority)
+        except Rejected as r:
+            return self.shed(r)
+        try:
+            return await self._attempt(up)
+        finally:
+            rt.admission.release()
+
+    def shed(self, r: Rejected) -> web.Response:
+        rt = self.rt
+        rt.metrics.shed.labels(self.priority, r.reason).inc()
+        headers = self.response_headers("primary")
+        headers["Retry-After"] = str(r.retry_after)
+        message = {
+            "shed": "the service is under load and sheddable requests are refused for now",
+            "queue_full": "the service is under load and its wait queue is full",
+            "deadline": "the service is under load: the expected wait exceeds the queue deadline",
+            "queue_timeout": "the service is under load: no slot freed up before the deadline",
+            "evicted": "the service is under load: a higher-priority request took this slot",
+        }.get(r.reason, "the service is under load")
+        self.finish("primary", 429, self.loop.time(), outcome=f"shed_{r.reason}")
+        return error_response(
+            429,
+            f"{message}; retry after {r.retry_after} s",
+            type_="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers=headers,
+        )
+
+    async def _attempt(self, up: Upstream) -> web.StreamResponse | None:
         rt = self.rt
         payload = self.payload_for(up)
         url = up.chat_url if self.endpoint == "chat" else up.completions_url
@@ -254,6 +292,8 @@ class Flow:
         if result.outcome == "complete":
             limit = rt.policy.ladder.failover.ttft_limit_s
             ttft = (result.first_event_at or t_call) - t_call
+            if up.name == "primary":
+                rt.pressure.record_ttft(ttft)
             if limit and ttft > limit:
                 rt.report_failure(up, "slow_ttft", f"{ttft:.2f}s")
             else:

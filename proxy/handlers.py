@@ -78,7 +78,11 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
         )
     rt.inflight += 1
     try:
-        flow = Flow(request, rt, endpoint, raw, parsed.body, parsed.stream, rid, t0)
+        auth = request.headers.get("Authorization", "")
+        priority = rt.priority_for(
+            request.headers.get("X-Priority"), auth[7:] if auth[:7].lower() == "bearer " else None
+        )
+        flow = Flow(request, rt, endpoint, raw, parsed.body, parsed.stream, rid, t0, priority)
         return await flow.run()
     finally:
         rt.inflight -= 1

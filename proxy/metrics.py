@@ -142,6 +142,54 @@ class Metrics:
             registry=r,
         )
 
+        self.admission_limit = Gauge(
+            "brownout_admission_limit",
+            "Current concurrency limit in front of the primary.",
+            registry=r,
+        )
+        self.admission_inflight = Gauge(
+            "brownout_admission_inflight",
+            "Requests holding an admission slot.",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "brownout_queue_depth",
+            "Requests waiting for an admission slot.",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "brownout_queue_wait_seconds",
+            "Time admitted requests waited for a slot.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=r,
+        )
+        self.shed = Counter(
+            "brownout_shed",
+            "Requests refused with 429, by priority and reason.",
+            ["priority", "reason"],
+            registry=r,
+        )
+        self.pressure = Gauge(
+            "brownout_pressure",
+            "1 while the throttle signals report pressure.",
+            registry=r,
+        )
+        self.upstream_waiting = Gauge(
+            "brownout_upstream_num_requests_waiting",
+            "vLLM requests waiting (scraped, summed over engines).",
+            registry=r,
+        )
+        self.upstream_running = Gauge(
+            "brownout_upstream_num_requests_running",
+            "vLLM requests running (scraped, summed over engines).",
+            registry=r,
+        )
+        self.upstream_kv_cache = Gauge(
+            "brownout_upstream_kv_cache_usage_perc",
+            "vLLM KV-cache usage, 0–1 (scraped).",
+            registry=r,
+        )
+
     def for_backend(self, name: str) -> BackendMetrics:
         return BackendMetrics(
             ttft=self.ttft.labels(name),

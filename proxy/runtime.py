@@ -19,15 +19,18 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
+from proxy.admission import Admission, Priority
 from proxy.breaker import STATE_VALUES
 from proxy.config import Policy
 from proxy.ladder import Destination, Ladder, Signals, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
+from proxy.pressure import PressureMonitor, next_limit
 from proxy.upstream import Upstream
 
 log = structlog.get_logger("brownout.ladder")
 
+RANK_PRIORITY = {"critical": 0, "normal": 1, "sheddable": 2}
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
 
@@ -43,10 +46,39 @@ class Runtime:
     _request_counters: dict[tuple[str, str, int], Counter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.ladder = Ladder(self.policy.ladder.recovery, self.clock, self._on_transition)
-        self.maintenance = Maintenance(self.policy.faq, self.policy.ladder.maintenance)
+        pol = self.policy
+        self.ladder = Ladder(pol.ladder.recovery, self.clock, self._on_transition)
+        self.maintenance = Maintenance(pol.faq, pol.ladder.maintenance)
+        throttle = pol.ladder.throttle
+        self.pressure = PressureMonitor(throttle, self.clock)
+        self.admission = Admission(throttle, self.clock, self._on_queue_wait)
+        self.key_priority: dict[str, Priority] = {}
+        for kp in throttle.key_priorities:
+            key, _, prio = kp.rpartition("=")
+            self.key_priority[key] = prio  # type: ignore[assignment]
+        m = self.metrics
+        m.admission_limit.set_function(lambda: self.admission.limit)
+        m.admission_inflight.set_function(lambda: self.admission.inflight)
+        m.queue_depth.set_function(lambda: self.admission.queued)
+        m.pressure.set_function(lambda: 1 if self.pressure.active else 0)
+        m.upstream_waiting.set_function(lambda: self.pressure.engine.waiting)
+        m.upstream_running.set_function(lambda: self.pressure.engine.running)
+        m.upstream_kv_cache.set_function(lambda: self.pressure.engine.kv_cache)
         self._wall_offset = time.time() - self.clock()
         self._evaluate_soon: asyncio.Handle | None = None
+
+    def _on_queue_wait(self, seconds: float) -> None:
+        self.metrics.queue_wait.observe(seconds)
+        self.pressure.record_queue_wait(seconds)
+
+    def priority_for(self, header: str | None, api_key: str | None) -> Priority:
+        """`X-Priority` may lower a key's mapped priority, never raise it."""
+        base = self.key_priority.get(api_key or "", self.policy.ladder.throttle.default_priority)
+        if header in ("critical", "normal", "sheddable"):
+            if api_key in self.key_priority and RANK_PRIORITY[header] < RANK_PRIORITY[base]:
+                return base
+            return header  # type: ignore[return-value]
+        return base
 
     @property
     def tier(self) -> str:
@@ -79,7 +111,7 @@ class Runtime:
 
     # -- signals -----------------------------------------------------------------
 
-    def signals(self) -> Signals:
+    def signals(self, pressure: bool = False) -> Signals:
         p = self.upstreams["primary"]
         f = self.upstreams.get("fallback")
         failover_on = self.policy.ladder.failover.enabled
@@ -90,10 +122,31 @@ class Runtime:
             detail = _why(p)
         elif f is not None and not f.available:
             detail = _why(f)
-        return Signals(primary_ok=primary_ok, fallback_ok=fallback_ok, detail=detail)
+        if pressure and not detail:
+            detail = self.pressure.reason
+        return Signals(
+            primary_ok=primary_ok, fallback_ok=fallback_ok, pressure=pressure, detail=detail
+        )
 
-    def evaluate(self) -> Transition | None:
-        return self.ladder.evaluate(self.signals())
+    def evaluate(self, window: bool = False) -> Transition | None:
+        """Feed the ladder. On window ticks also advance the pressure
+        hysteresis and the throttle controller (once per window, by design)."""
+        throttle = self.policy.ladder.throttle
+        if window and throttle.enabled:
+            self.pressure.evaluate()
+        t = self.ladder.evaluate(self.signals(throttle.enabled and self.pressure.active))
+        throttled = self.ladder.tier == "throttle"
+        self.admission.shed_sheddable = throttled
+        if window:
+            self.admission.set_limit(
+                next_limit(
+                    throttle,
+                    self.admission.limit,
+                    throttled=throttled,
+                    pressure=self.pressure.active,
+                )
+            )
+        return t
 
     def evaluate_soon(self) -> None:
         """Re-evaluate right after the current callback (a breaker just moved):
@@ -178,8 +231,24 @@ class Runtime:
             ],
             "backends": backends,
             "concurrency": {
-                "limit": self.policy.ladder.throttle.max_inflight,
+                "limit": self.admission.limit,
+                "max": self.policy.ladder.throttle.max_inflight,
                 "inflight": self.inflight,
+                "admission": self.admission.snapshot(),
+            },
+            "pressure": {
+                "active": self.pressure.active,
+                "reason": self.pressure.reason,
+                "signals": {k: round(v, 3) for k, v in self.pressure.ratios().items()},
+                "engine": {
+                    "num_requests_waiting": self.pressure.engine.waiting,
+                    "num_requests_running": self.pressure.engine.running,
+                    "kv_cache_usage_perc": self.pressure.engine.kv_cache,
+                    "scraped_at": self.wall(self.pressure.engine.scraped_at)
+                    if self.pressure.engine.scraped_at is not None
+                    else None,
+                    "error": self.pressure.engine.error,
+                },
             },
             "policy": {"source": self.policy.source},
             "uptime_s": round(time.time() - self.started_at, 1),

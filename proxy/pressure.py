@@ -1,0 +1,205 @@
+"""Tier 1 signals and the throttle controller.
+
+Pressure is read from vLLM itself (its `/metrics`: requests waiting, KV-cache
+usage — summed over `engine` labels, old metric names accepted), from the
+proxy's own time to first token against a rolling baseline (the seed rule:
+pressure when the short-window P95 exceeds `ttft_factor` × the baseline P95),
+and from the admission queue's wait times.
+
+Hysteresis: pressure turns on when any signal reaches its high mark and
+turns off only when every signal is below `clear_ratio` × its mark; the
+ladder adds its own dwell and healthy windows on top.
+
+Throttle controller, evaluated once per ladder window:
+- `fixed`: in the throttle tier the limit is `throttled_limit`.
+- `adaptive` (AIMD): each window under pressure,
+  `limit ← max(min_limit, ⌊limit × decrease_factor⌋)`; each window without,
+  `limit ← min(max_inflight, limit + increase_step)`. Multiplicative decrease
+  backs off fast when the engine saturates, additive increase probes back
+  up, so the limit settles around what the engine can serve well.
+Out of the throttle tier the limit climbs back to `max_inflight` the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from proxy.admission import AdmissionPolicy
+from proxy.knobs import knob
+
+# vLLM gauge names, current first; older releases used the second.
+WAITING = ("vllm:num_requests_waiting",)
+RUNNING = ("vllm:num_requests_running",)
+KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+REJECTIONS = ("vllm:admission_rejections_total",)
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottlePolicy(AdmissionPolicy):
+    enabled: bool = knob(True, "Tier 1: hold concurrency when the engine saturates.")
+    mode: Literal["fixed", "adaptive"] = knob(
+        "adaptive", "How the throttle tier sets the limit: `fixed` or `adaptive` (AIMD)."
+    )
+    throttled_limit: int = knob(8, "The limit in the throttle tier when `mode: fixed`.")
+    min_limit: int = knob(1, "The adaptive limit never goes below this.")
+    decrease_factor: float = knob(0.75, "Adaptive: limit × this per window under pressure.")
+    increase_step: int = knob(1, "Adaptive: limit + this per window without pressure.")
+    scrape_interval_s: float = knob(1.0, "How often vLLM's /metrics is read (0 = never).")
+    waiting_high: float = knob(
+        8.0, "Pressure when vLLM has this many requests waiting (summed over engines)."
+    )
+    kv_cache_high: float = knob(0.95, "Pressure when vLLM's KV-cache usage reaches this (0–1).")
+    ttft_factor: float = knob(
+        1.8, "Pressure when the short-window TTFT P95 exceeds this × the baseline P95."
+    )
+    ttft_window_s: float = knob(60.0, "Short window of the TTFT rule.")
+    baseline_window_s: float = knob(3600.0, "Baseline window of the TTFT rule (rolling P95).")
+    min_samples: int = knob(20, "TTFT samples needed in each window before the rule counts.")
+    queue_wait_high_s: float = knob(2.0, "Pressure when the P95 admission queue wait reaches this.")
+    clear_ratio: float = knob(
+        0.5, "Pressure clears when every signal is below this × its high mark."
+    )
+
+
+class Window:
+    """Samples over a sliding time window; P95 on demand (once per ladder window)."""
+
+    def __init__(self, span_s: float, cap: int = 8192) -> None:
+        self.span_s = span_s
+        self._q: collections.deque[tuple[float, float]] = collections.deque(maxlen=cap)
+
+    def add(self, t: float, v: float) -> None:
+        self._q.append((t, v))
+
+    def values(self, now: float) -> list[float]:
+        horizon = now - self.span_s
+        q = self._q
+        while q and q[0][0] < horizon:
+            q.popleft()
+        return [v for _, v in q]
+
+    def p95(self, now: float) -> tuple[float, int]:
+        vs = sorted(self.values(now))
+        if not vs:
+            return 0.0, 0
+        return vs[min(len(vs) - 1, math.ceil(0.95 * len(vs)) - 1)], len(vs)
+
+
+@dataclass(slots=True)
+class EngineGauges:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_cache: float = 0.0
+    rejections: float = 0.0
+    scraped_at: float | None = None
+    error: str | None = None
+
+
+def parse_vllm_metrics(text: str) -> EngineGauges:
+    """The gauges the ladder needs, summed over label sets (one per engine).
+
+    A line scan, not a full exposition parse: vLLM's page is tens of KB and
+    this runs on the event loop every second.
+    """
+    sums: dict[str, float] = {}
+    wanted = WAITING + RUNNING + KV_CACHE + REJECTIONS
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        space = line.rfind(" ")
+        name = line[:brace] if brace > 0 else line[:space]
+        if name not in wanted:
+            continue
+        try:
+            value = float(line[space + 1 :])
+        except ValueError:
+            continue
+        sums[name] = sums.get(name, 0.0) + value
+    g = EngineGauges()
+    g.waiting = sum(sums.get(n, 0.0) for n in WAITING)
+    g.running = sum(sums.get(n, 0.0) for n in RUNNING)
+    kv = [sums[n] for n in KV_CACHE if n in sums]
+    # Several engines: the fullest one is what saturates first.
+    g.kv_cache = kv[0] if kv else 0.0
+    g.rejections = sum(sums.get(n, 0.0) for n in REJECTIONS)
+    return g
+
+
+@dataclass
+class Verdict:
+    pressure: bool
+    reason: str
+
+
+class PressureMonitor:
+    def __init__(self, policy: ThrottlePolicy, clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.engine = EngineGauges()
+        self._prev_rejections: float | None = None
+        self._rejecting = False
+        self.ttft_short = Window(policy.ttft_window_s)
+        self.ttft_base = Window(policy.baseline_window_s)
+        self.queue_wait = Window(policy.ttft_window_s)
+        self.active = False
+        self.reason = ""
+
+    def record_ttft(self, seconds: float) -> None:
+        now = self.clock()
+        self.ttft_short.add(now, seconds)
+        self.ttft_base.add(now, seconds)
+
+    def record_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.add(self.clock(), seconds)
+
+    def update_engine(self, g: EngineGauges) -> None:
+        g.scraped_at = self.clock()
+        if self._prev_rejections is not None:
+            # vLLM ≥ 0.32 with a bounded queue: new rejections are load, not failure.
+            self._rejecting = g.rejections > self._prev_rejections
+        self._prev_rejections = g.rejections
+        self.engine = g
+
+    def ratios(self) -> dict[str, float]:
+        """Each signal as a share of its high mark (≥ 1 = pressure)."""
+        p = self.policy
+        now = self.clock()
+        out = {
+            "waiting": self.engine.waiting / p.waiting_high if p.waiting_high else 0.0,
+            "kv_cache": self.engine.kv_cache / p.kv_cache_high if p.kv_cache_high else 0.0,
+            "queue_full_rejections": 1.0 if self._rejecting else 0.0,
+        }
+        short, n_short = self.ttft_short.p95(now)
+        base, n_base = self.ttft_base.p95(now)
+        if n_short >= p.min_samples and n_base >= p.min_samples and base > 0:
+            out["ttft"] = short / (base * p.ttft_factor)
+        wait, n_wait = self.queue_wait.p95(now)
+        if n_wait and p.queue_wait_high_s:
+            out["queue_wait"] = wait / p.queue_wait_high_s
+        return out
+
+    def evaluate(self) -> Verdict:
+        ratios = self.ratios()
+        high = [k for k, v in ratios.items() if v >= 1.0]
+        if high:
+            self.active = True
+            self.reason = ", ".join(f"{k} at {ratios[k]:.0%} of its mark" for k in high)
+        elif self.active and all(v < self.policy.clear_ratio for v in ratios.values()):
+            self.active = False
+            self.reason = "pressure cleared"
+        return Verdict(self.active, self.reason)
+
+
+def next_limit(policy: ThrottlePolicy, current: int, *, throttled: bool, pressure: bool) -> int:
+    """The admission limit for the next window (see the module docstring)."""
+    top = policy.max_inflight
+    if throttled and policy.mode == "fixed":
+        return max(1, min(top, policy.throttled_limit))
+    if throttled and pressure:
+        return max(policy.min_limit, min(current - 1, math.floor(current * policy.decrease_factor)))
+    return min(top, current + policy.increase_step)
