@@ -1,0 +1,90 @@
+"""Prometheus metrics of one fallback server, on its own registry.
+
+The model-level series reuse vLLM's names and `model_name` label, so the
+proxy's vLLM scrape (pressure signals) and existing vLLM dashboards work on
+the fallback unchanged. HTTP outcomes have a brownout-prefixed counter.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from proxy.fallback.admission import Admission
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class FallbackMetrics:
+    def __init__(self, model_name: str, admission: Admission) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        m = ["model_name"]
+        running = Gauge(
+            "vllm:num_requests_running", "Requests generating on a worker thread.", m, registry=r
+        )
+        running.labels(model_name).set_function(lambda: admission.running)
+        waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for a generation slot.", m, registry=r
+        )
+        waiting.labels(model_name).set_function(lambda: admission.waiting)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "From request arrival to the first generated token.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "From request arrival to the end of generation.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent waiting for a generation slot.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of admitted requests.", m, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", m, registry=r
+        ).labels(model_name)
+        self._finished = Counter(
+            "vllm:request_success",
+            "Finished generations by finish reason (abort: client gone or shutdown).",
+            [*m, "finished_reason"],
+            registry=r,
+        )
+        self._model_name = model_name
+        self._http = Counter(
+            "brownout_fallback_http_requests",
+            "HTTP requests by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self._model_name, reason).inc()
+
+    def http_request(self, endpoint: str, status: int) -> None:
+        self._http.labels(endpoint, str(status)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,137 @@
+"""App factory and entry point of `brownout fallback-server`.
+
+The model is loaded before the port opens: while loading, clients get
+connection refused (as with vLLM), and once anything answers, `/health` is
+200. SIGTERM/SIGINT cancel running generations (streams end with an in-band
+error, never a silent cut), wait for the worker threads, then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from proxy.fallback import handlers
+from proxy.fallback.admission import Admission
+from proxy.fallback.engine import Engine, ModelLoadError
+from proxy.fallback.metrics import FallbackMetrics
+from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, WORKERS, Settings
+from proxy.fallback.workers import Workers
+from proxy.logs import configure_logging
+
+log = structlog.get_logger("brownout.fallback")
+
+# Room for long prompts: 32k tokens of JSON-escaped text is well under this.
+_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Bounded so a stuck client cannot hold shutdown for aiohttp's default 60 s.
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def create_app(engine: Engine, settings: Settings) -> web.Application:
+    app = web.Application(middlewares=[handlers.error_middleware], client_max_size=_MAX_BODY_BYTES)
+    admission = Admission(settings.max_concurrency, settings.max_queue)
+    app[SETTINGS] = settings
+    app[ENGINE] = engine
+    app[ADMISSION] = admission
+    app[METRICS] = FallbackMetrics(settings.served_model_name, admission)
+    app[WORKERS] = Workers(engine, settings.max_concurrency)
+    app.on_shutdown.append(_cancel_generations)
+    app.cleanup_ctx.append(_close_workers)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_post("/tokenize", handlers.tokenize)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    return app
+
+
+async def _cancel_generations(app: web.Application) -> None:
+    # Runs before aiohttp waits for in-flight handlers, so streams end now.
+    app[WORKERS].cancel_all()
+
+
+async def _close_workers(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[WORKERS].close()
+
+
+def check_limits(args: argparse.Namespace) -> None:
+    """Reject bad limits before spending seconds on loading the model."""
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
+
+
+def settings_from_args(args: argparse.Namespace, engine: Engine) -> Settings:
+    """Validated settings; ValueError with a one-line message otherwise."""
+    check_limits(args)
+    limit = engine.max_position_embeddings
+    max_model_len = limit if args.max_model_len is None else args.max_model_len
+    if not 1 <= max_model_len <= limit:
+        raise ValueError(
+            f"--max-model-len must be between 1 and the model's max_position_embeddings "
+            f"({limit}), got {max_model_len}"
+        )
+    name = args.served_model_name or Path(args.model).expanduser().resolve().name
+    return Settings(
+        served_model_name=name,
+        max_model_len=max_model_len,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+    )
+
+
+async def serve(app: web.Application, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that disconnects cancels its handler
+        access_log=None,
+        shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = [f"http://{a[0]}:{a[1]}" for a in runner.addresses]
+        log.info("listening", urls=bound, model=app[SETTINGS].served_model_name)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting_down")
+    finally:
+        await runner.cleanup()
+    log.info("stopped")
+
+
+def _fail(message: str, code: int) -> int:
+    log.error("startup_failed", error=message)
+    print(f"brownout fallback-server: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging()
+    try:
+        check_limits(args)
+        engine = Engine.load(Path(args.model), device=args.device, dtype=args.dtype)
+        settings = settings_from_args(args, engine)
+    except (ModelLoadError, ValueError) as exc:
+        return _fail(str(exc), 2)
+    app = create_app(engine, settings)
+    try:
+        asyncio.run(serve(app, args.host, args.port))
+    except OSError as exc:  # typically: the port is taken
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", 1)
+    return 0

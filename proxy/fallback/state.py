@@ -1,0 +1,32 @@
+"""Typed application state: settings and the `AppKey`s the handlers read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.fallback.admission import Admission
+from proxy.fallback.engine import Engine
+from proxy.fallback.metrics import FallbackMetrics
+from proxy.fallback.workers import Workers
+
+
+@dataclass(frozen=True)
+class Settings:
+    served_model_name: str
+    max_model_len: int
+    max_concurrency: int = 1
+    max_queue: int = 8
+    # SSE comment interval while no token arrives (long prefill), so idle
+    # timeouts in nginx or the proxy do not cut a healthy stream.
+    keepalive_s: float = 15.0
+    # Retry-After on 503; a slot typically frees within a generation or two.
+    retry_after_s: int = 1
+
+
+SETTINGS = web.AppKey("settings", Settings)
+ENGINE = web.AppKey("engine", Engine)
+ADMISSION = web.AppKey("admission", Admission)
+METRICS = web.AppKey("metrics", FallbackMetrics)
+WORKERS = web.AppKey("workers", Workers)

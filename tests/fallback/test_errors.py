@@ -1,0 +1,155 @@
+"""Bad requests get a 400 (or 404) with an OpenAI error object, never a 500."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.fallback.conftest import FallbackServer
+
+HELLO: tuple[ChatCompletionMessageParam, ...] = ({"role": "user", "content": "Hello!"},)
+
+
+def _assert_error(body: Any, *, param: str | None, code: str | None) -> None:
+    assert isinstance(body, dict), body
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert isinstance(error["message"], str)
+    assert error["message"]
+    assert error["param"] == param
+    assert error["code"] == code
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+@pytest.mark.parametrize("payload", [b'{"messages": [', b"not json", b"\xff\xfe", b""])
+def test_malformed_json(server: FallbackServer, path: str, payload: bytes) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("POST", path, payload, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+    finally:
+        conn.close()
+    assert resp.status == 400
+    _assert_error(body, param=None, code="invalid_json")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "code"),
+    [
+        ({"max_tokens": "5"}, "max_tokens", "invalid_type"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"max_tokens": True}, "max_tokens", "invalid_type"),
+        ({"temperature": "hot"}, "temperature", "invalid_type"),
+        ({"temperature": -1}, "temperature", "invalid_value"),
+        ({"top_p": 0}, "top_p", "invalid_value"),
+        ({"stream": "yes"}, "stream", "invalid_type"),
+        ({"stop": 5}, "stop", "invalid_type"),
+        ({"stop": ["ok", 1]}, "stop", "invalid_type"),
+        ({"seed": 1.5}, "seed", "invalid_type"),
+        ({"messages": "hi"}, "messages", "invalid_type"),
+        ({"messages": []}, "messages", "invalid_value"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_type"),
+        ({"stream_options": True}, "stream_options", "invalid_type"),
+    ],
+)
+def test_wrong_types_and_values(
+    server: FallbackServer, extra: dict[str, Any], param: str, code: str
+) -> None:
+    status, body = server.post("/v1/chat/completions", {"messages": HELLO, **extra})
+    assert status == 400, body
+    _assert_error(body, param=param, code=code)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+    ],
+)
+def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], param: str) -> None:
+    status, body = server.post("/v1/chat/completions", {"messages": HELLO, **extra})
+    assert status == 400, body
+    _assert_error(body, param=param, code="unsupported_parameter")
+
+
+def test_openai_client_sees_bad_request_for_tools(
+    server: FallbackServer, client: openai.OpenAI
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=server.served_model_name,
+            messages=HELLO,
+            tools=[{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+        )
+    assert info.value.status_code == 400
+    assert info.value.code == "unsupported_parameter"
+    assert info.value.param == "tools"
+
+
+def test_completions_rejects_logprobs_and_echo(server: FallbackServer) -> None:
+    for extra, param in (({"logprobs": 0}, "logprobs"), ({"echo": True}, "echo")):
+        status, body = server.post("/v1/completions", {"prompt": "Hi", **extra})
+        assert status == 400
+        _assert_error(body, param=param, code="unsupported_parameter")
+
+
+def test_context_length_exceeded(server: FallbackServer) -> None:
+    status, body = server.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2048})
+    assert status == 400
+    _assert_error(body, param="messages", code="context_length_exceeded")
+    assert "2048" in body["error"]["message"]
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 300  # > 2048 tokens
+    status, body = server.post("/v1/completions", {"prompt": long_prompt})
+    assert status == 400
+    _assert_error(body, param="messages", code="context_length_exceeded")
+
+
+def test_continue_final_message_needs_an_assistant_message(server: FallbackServer) -> None:
+    status, body = server.post(
+        "/v1/chat/completions", {"messages": HELLO, "continue_final_message": True}
+    )
+    assert status == 400
+    _assert_error(body, param="continue_final_message", code="invalid_value")
+    messages = [*HELLO, {"role": "assistant", "content": "Hi"}]
+    status, body = server.post(
+        "/v1/chat/completions",
+        {"messages": messages, "continue_final_message": True, "add_generation_prompt": True},
+    )
+    assert status == 400
+    _assert_error(body, param="continue_final_message", code="invalid_value")
+
+
+def test_unknown_model_is_404(server: FallbackServer, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-9", messages=HELLO)
+    assert info.value.code == "model_not_found"
+
+
+def test_unknown_route_and_method_keep_the_error_shape(server: FallbackServer) -> None:
+    status, body = server.post("/v1/embeddings", {"input": "x"})
+    assert status == 404
+    _assert_error(body, param=None, code=None)
+    status, body = server.post("/v1/models", {})
+    assert status == 405
+    _assert_error(body, param=None, code=None)
