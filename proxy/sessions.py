@@ -1,10 +1,66 @@
-"""Chat sessions: memory and Redis stores (work in progress)."""
+"""Chat sessions: the stored history a request is merged with.
+
+Public API::
+
+    session_key(prefix, session_id, api_key) -> str      # raises SessionIdError
+    make_store(policy, *, clock=time.time) -> SessionStore
+    store.load(key) -> list[dict[str, str]]               # oldest first
+    store.append(key, new_turns, max_turns=None, ttl_s=None) -> int   # turns kept
+    store.delete(key); store.ping(); store.close()
+    store.healthy / store.last_error                      # for the status page
+
+Exceptions::
+
+    SessionIdError(ValueError)   invalid X-Session-Id (→ 400)
+    SessionStoreUnavailable      the store cannot answer (Redis down, slow, or
+                                 misbehaving); raised within `redis_timeout_s`
+
+History is a flat list of `{"role", "content"}` messages made of whole turns
+(a user message followed by the assistant's answer): a turn is appended in
+one atomic operation, so the history never holds a question without its
+answer, and concurrent appends to one session are all kept, in commit order.
+
+Redis layout: hash `{prefix}session:{scope}:{id}` with fields `history` (JSON
+list of the last `max_turns` turns' messages) and `last_active` (unix
+seconds); its TTL (`ttl_s`) is refreshed by every load and append.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from proxy.knobs import knob
+from proxy.trim import TrimPolicy
+
+__all__ = [
+    "MemorySessionStore",
+    "RedisSessionStore",
+    "SessionIdError",
+    "SessionStore",
+    "SessionStoreUnavailable",
+    "SessionsPolicy",
+    "Turn",
+    "make_store",
+    "session_key",
+]
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,3 +69,423 @@ class SessionsPolicy:
     ttl_s: int = knob(86400, "Session lifetime, refreshed on use.")
     max_turns: int = knob(20, "Turns kept per session.")
     key_prefix: str = knob("brownout:", "Prefix of every Redis key.")
+    redis_timeout_s: float = knob(
+        0.25,
+        "Deadline of one Redis operation (connect included); past it the request goes "
+        "on without history instead of waiting.",
+    )
+    redis_max_connections: int = knob(
+        32, "Redis connection pool size; a request waits at most redis_timeout_s for one."
+    )
+    max_sessions: int = knob(
+        10000, "memory:// only: sessions kept; the least recently used are evicted."
+    )
+    trimming: TrimPolicy = knob(TrimPolicy, "Fitting history into the context window.")
+
+    def __post_init__(self) -> None:
+        # Raised errors are reported by the config loader at the section's line.
+        if self.ttl_s < 1:
+            raise ValueError("ttl_s must be >= 1")
+        if self.redis_timeout_s <= 0:
+            raise ValueError("redis_timeout_s must be > 0")
+        if self.redis_max_connections < 1:
+            raise ValueError("redis_max_connections must be >= 1")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class SessionIdError(ValueError):
+    """The client's session id is not 1–128 characters of [A-Za-z0-9._:-]."""
+
+
+class SessionStoreUnavailable(Exception):
+    """The session store did not answer in time or failed; the request can go on without it."""
+
+
+# --------------------------------------------------------------------------- keys
+
+_SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def session_key(prefix: str, session_id: str, api_key: str | None) -> str:
+    """The store key of a client's session: `{prefix}session:{scope}:{session_id}`.
+
+    The scope is a hash of the caller's API key (128 bits of sha256), or
+    `anon` without one, so a client can only ever reach sessions created with
+    its own key. The scope never contains `:`, so scopes cannot be forged with
+    an id that contains one.
+    """
+    if not _SESSION_ID_RE.fullmatch(session_id):
+        raise SessionIdError("session id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+    if api_key is None or api_key == "":
+        scope = "anon"
+    else:
+        scope = hashlib.sha256(api_key.encode()).hexdigest()[:32]
+    return f"{prefix}session:{scope}:{session_id}"
+
+
+# --------------------------------------------------------------------------- the interface
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One exchange: the user's message and the assistant's answer, stored together."""
+
+    user: str
+    assistant: str
+
+    def messages(self) -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": self.user},
+            {"role": "assistant", "content": self.assistant},
+        ]
+
+
+class SessionStore(Protocol):
+    """Where session histories live; every failure is SessionStoreUnavailable."""
+
+    @property
+    def healthy(self) -> bool:
+        """False after a failed operation, until one succeeds (cheap: no I/O)."""
+        ...
+
+    @property
+    def last_error(self) -> str | None:
+        """The last failure, for the status page; None when none happened yet."""
+        ...
+
+    async def load(self, key: str) -> list[dict[str, str]]:
+        """The session's messages, oldest first ([] for unknown or expired sessions)."""
+        ...
+
+    async def append(
+        self,
+        key: str,
+        new_turns: Sequence[Turn],
+        max_turns: int | None = None,
+        ttl_s: int | None = None,
+    ) -> int:
+        """Add turns atomically, keep the last `max_turns`; return the turns stored."""
+        ...
+
+    async def delete(self, key: str) -> None: ...
+
+    async def ping(self) -> bool:
+        """A round trip to the store; updates `healthy`; never raises."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def make_store(policy: SessionsPolicy, *, clock: Clock = time.time) -> SessionStore:
+    """The store the policy names (no I/O: Redis connects on first use)."""
+    if policy.store == "memory://":
+        return MemorySessionStore(
+            max_sessions=policy.max_sessions,
+            ttl_s=policy.ttl_s,
+            max_turns=policy.max_turns,
+            clock=clock,
+        )
+    return RedisSessionStore.from_url(
+        policy.store,
+        ttl_s=policy.ttl_s,
+        max_turns=policy.max_turns,
+        timeout_s=policy.redis_timeout_s,
+        max_connections=policy.redis_max_connections,
+        clock=clock,
+    )
+
+
+def _turn_messages(turns: Sequence[Turn]) -> list[dict[str, str]]:
+    return [m for t in turns for m in t.messages()]
+
+
+# --------------------------------------------------------------------------- memory://
+
+
+@dataclass(slots=True)
+class _Entry:
+    history: list[dict[str, str]]
+    last_active: float
+    expires_at: float
+
+
+@dataclass(slots=True)
+class MemorySessionStore:
+    """In-process store: bounded LRU with TTL. For one replica and tests.
+
+    Operations never await, so each one is atomic on the event loop.
+    """
+
+    max_sessions: int = 10000
+    ttl_s: int = 86400
+    max_turns: int = 20
+    clock: Clock = time.time
+    _entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict, repr=False)
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    @property
+    def last_error(self) -> str | None:
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _live(self, key: str, now: float) -> _Entry | None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.expires_at <= now:
+            del self._entries[key]
+            return None
+        return entry
+
+    async def load(self, key: str) -> list[dict[str, str]]:
+        now = self.clock()
+        entry = self._live(key, now)
+        if entry is None:
+            return []
+        entry.last_active = now
+        entry.expires_at = now + self.ttl_s
+        self._entries.move_to_end(key)
+        return [dict(m) for m in entry.history]  # callers must not edit the stored copy
+
+    async def append(
+        self,
+        key: str,
+        new_turns: Sequence[Turn],
+        max_turns: int | None = None,
+        ttl_s: int | None = None,
+    ) -> int:
+        keep = 2 * (self.max_turns if max_turns is None else max_turns)
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        if keep < 2 or ttl < 1:
+            raise ValueError("max_turns and ttl_s must be >= 1")
+        if not new_turns:
+            return len(await self.load(key)) // 2
+        now = self.clock()
+        entry = self._live(key, now)
+        if entry is None:
+            entry = _Entry([], now, now)
+            self._entries[key] = entry
+        entry.history = (entry.history + _turn_messages(new_turns))[-keep:]
+        entry.last_active = now
+        entry.expires_at = now + ttl
+        self._entries.move_to_end(key)
+        self._evict(now)
+        return len(entry.history) // 2
+
+    def _evict(self, now: float) -> None:
+        # Expired sessions gather at the LRU end; drop those, then enforce the bound.
+        while self._entries:
+            oldest_key, oldest = next(iter(self._entries.items()))
+            if oldest.expires_at > now and len(self._entries) <= self.max_sessions:
+                break
+            del self._entries[oldest_key]
+
+    async def delete(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._entries.clear()
+
+
+# --------------------------------------------------------------------------- redis://
+
+# KEYS[1] session hash; ARGV: ttl_s, now. Refreshes the TTL only of an existing
+# session (a load must not create one).
+_LOAD_LUA = """
+local raw = redis.call('HGET', KEYS[1], 'history')
+if raw then
+  redis.call('HSET', KEYS[1], 'last_active', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+end
+return raw
+"""
+
+# KEYS[1] session hash; ARGV: JSON list of new messages, messages to keep
+# (2 × max_turns), ttl_s, now. One atomic round trip: concurrent appends all
+# land, in commit order. Unreadable stored history is replaced, not fatal.
+_APPEND_LUA = """
+local history = {}
+local raw = redis.call('HGET', KEYS[1], 'history')
+if raw then
+  local ok, decoded = pcall(cjson.decode, raw)
+  if ok and type(decoded) == 'table' then history = decoded end
+end
+for _, m in ipairs(cjson.decode(ARGV[1])) do history[#history + 1] = m end
+local keep = tonumber(ARGV[2])
+local n = #history
+if n > keep then
+  local kept = {}
+  for i = n - keep + 1, n do kept[#kept + 1] = history[i] end
+  history = kept
+end
+redis.call('HSET', KEYS[1], 'history', cjson.encode(history), 'last_active', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return #history
+"""
+
+
+class RedisSessionStore:
+    """Sessions in Redis through one pooled asyncio client.
+
+    Every operation runs under one deadline (`timeout_s`, connect and pool
+    wait included) and fails with SessionStoreUnavailable past it. There are no
+    client-side retries: a retried append could store a turn twice, and the
+    pool replaces dead connections when they are checked out, so operations
+    work again as soon as Redis is back.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        ttl_s: int = 86400,
+        max_turns: int = 20,
+        timeout_s: float = 0.25,
+        clock: Clock = time.time,
+    ) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._max_turns = max_turns
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._load_script = client.register_script(_LOAD_LUA)
+        self._append_script = client.register_script(_APPEND_LUA)
+        self._healthy = True
+        self._last_error: str | None = None
+        self._stragglers: set[asyncio.Future[Any]] = set()  # timed-out operations
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        ttl_s: int = 86400,
+        max_turns: int = 20,
+        timeout_s: float = 0.25,
+        max_connections: int = 32,
+        clock: Clock = time.time,
+    ) -> RedisSessionStore:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,  # wait for a free connection
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+        client = aioredis.Redis.from_pool(pool)  # the client owns and closes the pool
+        return cls(client, ttl_s=ttl_s, max_turns=max_turns, timeout_s=timeout_s, clock=clock)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        # The operation runs as its own task and the caller waits at most
+        # timeout_s for it. A plain asyncio.timeout() is not enough: redis-py's
+        # connect handshake can absorb the cancellation (seen on Python 3.11
+        # with a hung server: 2 × timeout_s). A late task is cancelled and
+        # finishes in the background, bounded by the socket timeouts.
+        task = asyncio.ensure_future(fn())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self._timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            self._stragglers.add(task)
+            task.add_done_callback(self._reap)
+            raise self._failed(op, f"timed out after {self._timeout_s}s")
+        try:
+            result = task.result()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
+        if not self._healthy:
+            log.warning("session store available again")
+            self._healthy = True
+        return result
+
+    def _reap(self, task: asyncio.Future[Any]) -> None:
+        self._stragglers.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller already got SessionStoreUnavailable
+
+    def _failed(self, op: str, why: str) -> SessionStoreUnavailable:
+        if self._healthy:
+            log.warning("session store unavailable: %s %s", op, why)
+        self._healthy = False
+        self._last_error = f"{op}: {why}"
+        return SessionStoreUnavailable(f"session store {op} failed: {why}")
+
+    async def load(self, key: str) -> list[dict[str, str]]:
+        now = int(self._clock())
+        raw = await self._call(
+            "load", lambda: self._load_script(keys=[key], args=[self._ttl_s, now])
+        )
+        if raw is None:
+            return []
+        try:
+            history = json.loads(raw)
+        except ValueError:
+            log.warning("session history is not JSON; ignoring it")
+            return []
+        if not isinstance(history, list):  # cjson writes an empty list as {}
+            return []
+        return [
+            {"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
+            for m in history
+            if isinstance(m, dict)
+        ]
+
+    async def append(
+        self,
+        key: str,
+        new_turns: Sequence[Turn],
+        max_turns: int | None = None,
+        ttl_s: int | None = None,
+    ) -> int:
+        keep = 2 * (self._max_turns if max_turns is None else max_turns)
+        ttl = self._ttl_s if ttl_s is None else ttl_s
+        if keep < 2 or ttl < 1:
+            raise ValueError("max_turns and ttl_s must be >= 1")
+        if not new_turns:  # nothing to store; an empty append must not create a session
+            return len(await self.load(key)) // 2
+        payload = json.dumps(_turn_messages(new_turns), ensure_ascii=False)
+        now = int(self._clock())
+        n = await self._call(
+            "append",
+            lambda: self._append_script(keys=[key], args=[payload, keep, ttl, now]),
+        )
+        return int(n) // 2
+
+    async def delete(self, key: str) -> None:
+        await self._call("delete", lambda: self._client.delete(key))
+
+    async def ping(self) -> bool:
+        try:
+            await self._call("ping", self._client.ping)
+        except SessionStoreUnavailable:
+            return False
+        return True
+
+    async def close(self) -> None:
+        for task in list(self._stragglers):
+            task.cancel()
+        await asyncio.gather(*self._stragglers, return_exceptions=True)
+        await self._client.aclose()

@@ -1,0 +1,296 @@
+"""RedisSessionStore against real Redis: the shared server, and private ones for faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.sessions import (
+    RedisSessionStore,
+    SessionsPolicy,
+    SessionStoreUnavailable,
+    Turn,
+    make_store,
+    session_key,
+)
+from tests.harness.procs import free_port
+from tests.sessions.conftest import SHARED_REDIS_URL, PrivateRedis
+
+pytestmark = pytest.mark.real
+
+NOW = 1_700_000_000
+
+
+class Clock:
+    def __init__(self, now: float = NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _store(
+    url: str = SHARED_REDIS_URL,
+    *,
+    ttl_s: int = 86400,
+    max_turns: int = 20,
+    timeout_s: float = 1.0,
+    max_connections: int = 32,
+    clock: Clock | None = None,
+) -> RedisSessionStore:
+    return RedisSessionStore.from_url(
+        url,
+        ttl_s=ttl_s,
+        max_turns=max_turns,
+        timeout_s=timeout_s,
+        max_connections=max_connections,
+        clock=clock or time.time,
+    )
+
+
+async def test_save_load_ttl_and_last_active(shared_redis: aioredis.Redis, key_prefix: str) -> None:
+    clock = Clock()
+    store = _store(ttl_s=1000, max_turns=5, clock=clock)
+    key = session_key(key_prefix, "chat-1", None)
+    try:
+        assert await store.load(key) == []
+        assert await shared_redis.exists(key) == 0, "a load must not create a session"
+
+        assert await store.append(key, [Turn("Hello?", "Hi!")]) == 1
+        assert await store.load(key) == [
+            {"role": "user", "content": "Hello?"},
+            {"role": "assistant", "content": "Hi!"},
+        ]
+        assert await shared_redis.type(key) == "hash"
+        assert await shared_redis.hget(key, "last_active") == str(NOW)
+        assert 990 <= await shared_redis.ttl(key) <= 1000
+
+        # A load refreshes both the TTL and last_active.
+        await shared_redis.expire(key, 5)
+        clock.now += 60
+        await store.load(key)
+        assert 990 <= await shared_redis.ttl(key) <= 1000
+        assert await shared_redis.hget(key, "last_active") == str(NOW + 60)
+
+        # So does an append, with its own ttl_s.
+        clock.now += 60
+        await store.append(key, [Turn("Again", "Sure")], ttl_s=500)
+        assert 490 <= await shared_redis.ttl(key) <= 500
+        assert await shared_redis.hget(key, "last_active") == str(NOW + 120)
+        assert len(await store.load(key)) == 4
+        assert store.healthy
+        assert store.last_error is None
+    finally:
+        await store.close()
+
+
+async def test_unicode_and_json_specials_round_trip(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    store = _store()
+    key = session_key(key_prefix, "u", None)
+    text = 'Grüße / "quotes" \\ back\nslash 🚀 {"json": [1]}'
+    try:
+        await store.append(key, [Turn(text, text[::-1])])
+        assert [m["content"] for m in await store.load(key)] == [text, text[::-1]]
+    finally:
+        await store.close()
+
+
+async def test_turn_cap_keeps_the_newest_whole_turns(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    store = _store(max_turns=3)
+    key = session_key(key_prefix, "cap", None)
+    try:
+        for i in range(5):
+            n = await store.append(key, [Turn(f"q{i}", f"a{i}")])
+            assert n == min(i + 1, 3)
+        history = await store.load(key)
+        assert [m["content"] for m in history] == ["q2", "a2", "q3", "a3", "q4", "a4"]
+        # Several turns in one append, and a per-call cap.
+        assert await store.append(key, [Turn("q5", "a5"), Turn("q6", "a6")], max_turns=2) == 2
+        assert [m["content"] for m in await store.load(key)] == ["q5", "a5", "q6", "a6"]
+    finally:
+        await store.close()
+
+
+async def test_twenty_parallel_appends_keep_all_turns_in_commit_order(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    # Two stores = two proxy replicas with their own pools, on one session.
+    stores = [_store(max_turns=50, max_connections=8, timeout_s=2.0) for _ in range(2)]
+    key = session_key(key_prefix, "race", "client-key")
+    try:
+        positions = await asyncio.gather(
+            *(stores[i % 2].append(key, [Turn(f"q{i}", f"a{i}")]) for i in range(20))
+        )
+        history = await stores[0].load(key)
+        assert len(history) == 40
+        assert sorted(positions) == list(range(1, 21))
+        for i, n in enumerate(positions):
+            # Each append's answer is the history length at its commit: its turn sits there.
+            assert history[2 * (n - 1)] == {"role": "user", "content": f"q{i}"}
+            assert history[2 * n - 1] == {"role": "assistant", "content": f"a{i}"}
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_parallel_appends_over_the_cap_keep_whole_turns(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    store = _store(max_turns=5, max_connections=8, timeout_s=2.0)
+    key = session_key(key_prefix, "race-cap", None)
+    try:
+        await asyncio.gather(*(store.append(key, [Turn(f"q{i}", f"a{i}")]) for i in range(20)))
+        history = await store.load(key)
+        assert len(history) == 10
+        for user, answer in zip(history[::2], history[1::2], strict=True):
+            assert user["role"] == "user"
+            assert answer == {"role": "assistant", "content": "a" + user["content"][1:]}
+        assert len({m["content"] for m in history}) == 10
+    finally:
+        await store.close()
+
+
+async def test_key_scoping_no_cross_read(shared_redis: aioredis.Redis, key_prefix: str) -> None:
+    store = _store()
+    alice = session_key(key_prefix, "same-id", "sk-alice")
+    bob = session_key(key_prefix, "same-id", "sk-bob")
+    anon = session_key(key_prefix, "same-id", None)
+    assert len({alice, bob, anon}) == 3
+    try:
+        await store.append(alice, [Turn("alice's secret", "noted")])
+        assert await store.load(bob) == []
+        assert await store.load(anon) == []
+        assert len(await store.load(alice)) == 2
+    finally:
+        await store.close()
+
+
+async def test_unreadable_history_is_replaced_not_fatal(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    store = _store()
+    key = session_key(key_prefix, "corrupt", None)
+    try:
+        await shared_redis.hset(key, mapping={"history": "{not json", "last_active": "0"})
+        assert await store.load(key) == []
+        assert await store.append(key, [Turn("q", "a")]) == 1
+        assert len(await store.load(key)) == 2
+        assert store.healthy
+    finally:
+        await store.close()
+
+
+async def test_empty_append_does_not_create_a_session(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    store = _store()
+    key = session_key(key_prefix, "empty", None)
+    try:
+        assert await store.append(key, []) == 0
+        assert await shared_redis.exists(key) == 0
+    finally:
+        await store.close()
+
+
+async def test_make_store_redis_uses_policy(shared_redis: aioredis.Redis, key_prefix: str) -> None:
+    policy = SessionsPolicy(store=SHARED_REDIS_URL, ttl_s=700, max_turns=1, key_prefix=key_prefix)
+    store = make_store(policy)
+    assert isinstance(store, RedisSessionStore)
+    key = session_key(policy.key_prefix, "p", None)
+    try:
+        await store.append(key, [Turn("q1", "a1"), Turn("q2", "a2")])
+        assert [m["content"] for m in await store.load(key)] == ["q2", "a2"]
+        assert 690 <= await shared_redis.ttl(key) <= 700
+        assert await store.ping()
+    finally:
+        await store.close()
+
+
+# --------------------------------------------------------------------------- faults
+
+TIMEOUT_S = 0.25
+# Deadline plus scheduling slack on a busy 2-core machine.
+PROMPT_S = TIMEOUT_S + 0.25
+
+
+def _status(store: RedisSessionStore) -> tuple[bool, str | None]:
+    return store.healthy, store.last_error
+
+
+async def _timed_failure(op: Awaitable[object]) -> float:
+    started = time.monotonic()
+    with pytest.raises(SessionStoreUnavailable):
+        await op
+    return time.monotonic() - started
+
+
+async def test_redis_down_fails_fast_then_recovers_without_restart(
+    private_redis: PrivateRedis,
+) -> None:
+    store = _store(private_redis.url, timeout_s=TIMEOUT_S)
+    key = session_key("t:", "outage", None)
+    try:
+        await store.append(key, [Turn("before", "outage")])
+        assert store.healthy
+
+        private_redis.stop()
+        assert await _timed_failure(store.load(key)) < PROMPT_S
+        healthy, last_error = _status(store)
+        assert not healthy
+        assert last_error is not None
+        assert "load" in last_error
+        assert await _timed_failure(store.append(key, [Turn("q", "a")])) < PROMPT_S
+        assert not await store.ping()
+
+        private_redis.start()  # same port, empty (no persistence)
+        assert await store.load(key) == []
+        assert store.healthy
+        assert await store.append(key, [Turn("after", "outage")]) == 1
+        assert [m["content"] for m in await store.load(key)] == ["after", "outage"]
+    finally:
+        await store.close()
+
+
+async def test_hung_redis_times_out_then_recovers(private_redis: PrivateRedis) -> None:
+    store = _store(private_redis.url, timeout_s=TIMEOUT_S, max_connections=4)
+    key = session_key("t:", "hung", None)
+    try:
+        await store.append(key, [Turn("q0", "a0")])
+        private_redis.pause()
+        # More concurrent calls than pooled connections: pool waits are bounded too.
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(store.load(key) for _ in range(8)),
+            store.append(key, [Turn("q1", "a1")]),
+            return_exceptions=True,
+        )
+        assert time.monotonic() - started < PROMPT_S
+        assert all(isinstance(r, SessionStoreUnavailable) for r in results), results
+        assert store.last_error is not None
+        assert "timed out" in store.last_error
+
+        private_redis.resume()
+        history = await store.load(key)
+        # The timed-out append may or may not have been applied, never half of it.
+        assert [m["content"] for m in history][:2] == ["q0", "a0"]
+        assert len(history) in (2, 4)
+        assert store.healthy
+    finally:
+        await store.close()
+
+
+async def test_redis_never_reachable() -> None:
+    store = _store(f"redis://127.0.0.1:{free_port()}/0", timeout_s=TIMEOUT_S)
+    try:
+        assert await _timed_failure(store.load("k")) < PROMPT_S
+        assert not store.healthy
+    finally:
+        await store.close()
