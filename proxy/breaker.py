@@ -83,6 +83,8 @@ class BackendBreaker:
         self._failures_in_window = 0
         self._opened_at = 0.0
         self._half_open_inflight = 0
+        self._trial_started = 0.0
+        self.outcomes = 0  # outcomes reported so far (lets callers see if one was)
         self._pending_reason = ""
         self.last_reason = ""
         self._cb = pybreaker.CircuitBreaker(
@@ -111,10 +113,24 @@ class BackendBreaker:
                 return False
             self._pending_reason = "reset timeout elapsed"
             self._cb.half_open()
-        if self._half_open_inflight >= self.policy.half_open_max_calls:
+        now = self.clock()
+        if (
+            self._half_open_inflight >= self.policy.half_open_max_calls
+            and now - self._trial_started < self.policy.reset_timeout_s
+        ):
             return False
+        # A trial that never reported (a leak would wedge the breaker) expires
+        # after reset_timeout_s; its slot goes to this call.
+        if self._half_open_inflight >= self.policy.half_open_max_calls:
+            self._half_open_inflight = self.policy.half_open_max_calls - 1
         self._half_open_inflight += 1
+        self._trial_started = now
         return True
+
+    def release_trial(self) -> None:
+        """A trial call ended without an outcome (client left, 429): free its slot."""
+        if self.state == "half-open" and self._half_open_inflight > 0:
+            self._half_open_inflight -= 1
 
     def retry_at(self) -> float:
         """Clock time when an open breaker will admit a trial call."""
@@ -151,6 +167,7 @@ class BackendBreaker:
             self._cb.call(fn, *args)
 
     def _observe(self, ok: bool) -> None:
+        self.outcomes += 1
         now = self.clock()
         q = self._outcomes
         q.append((now, ok))

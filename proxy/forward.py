@@ -112,7 +112,13 @@ class Flow:
                 rt.metrics.retries.labels(prev.name, up.name).inc()
                 log.info("retry", request_id=self.rid, from_backend=prev.name, to_backend=up.name)
             prev = up
-            response = await self.attempt(up)
+            before = up.breaker.outcomes
+            try:
+                response = await self.attempt(up)
+            finally:
+                if up.breaker.outcomes == before:
+                    # No outcome (shed, client gone): a half-open trial slot goes back.
+                    up.breaker.release_trial()
             if response is not None:
                 return response
         return self.all_failed()
@@ -327,7 +333,16 @@ class Flow:
         if not fb.breaker.allow():
             rt.metrics.rescues.labels("fallback_unavailable").inc()
             return False
-        partial, produced = partial_text(result.regions, self.endpoint)
+        before = fb.breaker.outcomes
+        try:
+            return await self._rescue_on(fb, up, result)
+        finally:
+            if fb.breaker.outcomes == before:
+                fb.breaker.release_trial()
+
+    async def _rescue_on(self, fb: Upstream, up: Upstream, result: StreamResult) -> bool:
+        rt = self.rt
+        partial, produced = partial_text(result.regions or [], self.endpoint)
         body = continuation_body(self.adapted(fb), partial, produced, self.endpoint)
         client = result.client
         assert client is not None

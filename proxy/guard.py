@@ -1,12 +1,689 @@
-"""The output guard: validators on every streamed event (work in progress)."""
+"""The output guard: validators on every streamed event and non-streaming body.
+
+A `Guard` is compiled once per policy; `Guard.stream()` gives a `StreamGuard`
+per response, which the relay feeds every region `SSEFramer` returns (whole
+events, LF line ends). `StreamGuard.feed` returns a `GuardVerdict`:
+
+- the very same bytes object (`verdict is region`): forward it unchanged —
+  the happy path, no copy;
+- other bytes: the region without the malformed events the policy drops
+  (possibly `b""`: nothing to write);
+- a `Trip`: stop the stream; send `invalid_output_event(trip)`.
+
+The region `SSEFramer.flush()` returns at EOF (a last event without its blank
+line, possibly cut off) goes to `StreamGuard.feed_final` instead.
+
+Trips of rules whose action is `log` do not stop anything: they are appended
+to `StreamGuard.notes` (once per rule and stream) for the relay to count and
+log; dropped malformed events are noted there too.
+
+Cost. The content rules need the answer text, so every region pays for
+extracting it, but never for a full JSON parse. The fast path:
+
+1. a shape check with `bytes.count` (every event one `data: {...}` line with a
+   `"choices"` list, all choices index 0);
+2. one regex `findall` extracting the `"content"` / `"text"` string literals,
+   joined and decoded at once (`bytes.decode`, or the C JSON string scanner
+   when there are escapes) — so escapes are judged exactly as a client
+   decodes them (`\\u0000` is a backslash and text, not a control char);
+3. the rules on that decoded text plus a short tail of the previous text
+   (tokens split across chunks, repetition): a one-class regex, `in`, one
+   alternation of literals, and an `rfind`.
+
+Anything else — `[DONE]`, comments, error events, usage chunks that arrive
+with other shapes, several choices, undecodable literals — takes the slow
+path: the region is parsed into events and each event's data is
+`json.loads`-ed. A single-event region costs about 2 µs on the fast path
+(bench/guard_bench.py).
+"""
 
 from __future__ import annotations
 
+import json
+import json.decoder
+import re
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Final, Literal, TypeAlias
 
 from proxy.knobs import knob
+from proxy.sse import DONE, DONE_EVENT, SSEParser, error_events
+
+Action = Literal["abort", "log"]
+RuleName = Literal[
+    "control_chars", "replacement_chars", "special_tokens", "repetition", "malformed"
+]
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True, slots=True)
+class ControlCharsRule:
+    enabled: bool = knob(
+        True,
+        "Stop answers whose text contains a control character other than tab, "
+        "newline and carriage return (U+0000–U+001F, U+007F).",
+    )
+    c1: bool = knob(
+        True,
+        "Count the C1 controls U+0080–U+009F too (in text they are mojibake or garbage, "
+        "never language).",
+    )
+    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplacementCharsRule:
+    enabled: bool = knob(
+        True,
+        "Stop answers dense in U+FFFD (undecodable bytes). Byte-level BPE models emit the "
+        "odd one legitimately, so the rule counts per window rather than on the first.",
+    )
+    window_chars: int = knob(64, "Window of answer text, in characters.")
+    max_in_window: int = knob(
+        24,
+        "More U+FFFD than this within any `window_chars` characters trips the rule. A "
+        "random-weight tiny model peaks at 15 per 64; mis-decoded output is mostly U+FFFD.",
+    )
+    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
+
+    def __post_init__(self) -> None:
+        if self.window_chars < 1:
+            raise ValueError("window_chars must be >= 1")
+        if not 0 <= self.max_in_window < self.window_chars:
+            raise ValueError("max_in_window must be >= 0 and less than window_chars")
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialTokensRule:
+    enabled: bool = knob(
+        True,
+        "Stop answers that contain one of `tokens` as text (a leaked chat-template marker "
+        "or stop string; found even when split across chunks).",
+    )
+    tokens: tuple[str, ...] = knob(
+        ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "</s>", "<s>"),
+        "Strings that must never appear in an answer (case-sensitive).",
+    )
+    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
+
+    def __post_init__(self) -> None:
+        if any(not t for t in self.tokens):
+            raise ValueError("tokens must not contain an empty string")
+        if any(len(t) > 256 for t in self.tokens):
+            raise ValueError("tokens must be at most 256 characters long")
+
+
+@dataclass(frozen=True, slots=True)
+class RepetitionRule:
+    enabled: bool = knob(
+        True,
+        "Stop degenerate loops: the answer's last characters repeat one unit of "
+        "`1..max_period` characters at least `min_repeats` times and over at least "
+        "`min_chars` characters (i.e. the last max(min_repeats × period, min_chars) "
+        "characters have that period; a partial last unit counts). Checked every 16 new "
+        "characters.",
+    )
+    max_period: int = knob(128, "Longest repeated unit looked for, in characters.")
+    min_repeats: int = knob(
+        8, "Repeats of the unit needed; long units trip on this (8 × 100-char sentence)."
+    )
+    min_chars: int = knob(
+        512,
+        "Characters the repetition must cover; short units trip on this, so runs of "
+        "indentation, `-----` rules or `0, 0, 0` rows in ordinary answers do not.",
+    )
+    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_period <= 4096:
+            raise ValueError("max_period must be 1..4096")
+        if self.min_repeats < 2:
+            raise ValueError("min_repeats must be >= 2")
+        if not 1 <= self.min_chars <= 65536:
+            raise ValueError("min_chars must be 1..65536")
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedRule:
+    enabled: bool = knob(
+        True,
+        "Catch events that are not completion chunks: data that is not JSON, or a JSON "
+        "object without a `choices` list (error objects, `[DONE]`, comments and usage-only "
+        "chunks with `choices: []` are fine).",
+    )
+    action: Literal["drop", "abort"] = knob(
+        "drop",
+        "`drop` removes the event and keeps streaming (the client could not parse it "
+        "anyway, and a cut-off last event stays the relay's truncation error); `abort` stops "
+        "the stream. A malformed non-streaming body always trips.",
+    )
+    strict_json: bool = knob(
+        False,
+        "Parse every event as JSON (≈3 µs each) instead of checking its shape on bytes; "
+        "only events that look odd are parsed otherwise.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class GuardPolicy:
-    enabled: bool = knob(True, "Output guard on streamed answers.")
+    enabled: bool = knob(True, "Output guard on answers (stream events and non-streaming bodies).")
+    control_chars: ControlCharsRule = knob(ControlCharsRule, "")
+    replacement_chars: ReplacementCharsRule = knob(ReplacementCharsRule, "")
+    special_tokens: SpecialTokensRule = knob(SpecialTokensRule, "")
+    repetition: RepetitionRule = knob(RepetitionRule, "")
+    malformed: MalformedRule = knob(MalformedRule, "")
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+@dataclass(frozen=True, slots=True)
+class Trip:
+    """A rule fired. `message` is for the client; `excerpt` (≤ 40 chars) for logs."""
+
+    rule: RuleName
+    message: str
+    excerpt: str
+
+
+GuardVerdict: TypeAlias = bytes | Trip
+"""`feed`'s answer: the region itself (unchanged), a new region, or a Trip."""
+
+
+def invalid_output_event(trip: Trip) -> bytes:
+    """The in-band error event (then `[DONE]`) that ends a stream the guard stopped."""
+    return error_events(trip.message, "server_error", "invalid_output")
+
+
+# --------------------------------------------------------------------------- compiled policy
+
+# Rule bits: a stream mutes a `log` rule after noting it once.
+_CTRL: Final = 1
+_FFFD: Final = 2
+_TOK: Final = 4
+_REP: Final = 8
+
+# Repetition is looked for at most once per this many new characters: a loop
+# stays a loop, so a few characters' delay costs nothing and saves an rfind
+# per token.
+_REP_STRIDE: Final = 16
+# Non-streaming bodies go through the stream checks in pieces of this size.
+_BODY_STEP: Final = 64
+_EXCERPT: Final = 40
+
+# The content string literals of chat chunks and of completions. Inside a JSON
+# string every `"` is escaped, so `"content":"` only matches a real key
+# (`"reasoning_content"` has `_` before `content`; logprobs map to numbers).
+_LITERAL = rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"'
+_CONTENT_RE: Final = re.compile(rb'"content":' + _LITERAL)
+_TEXT_RE: Final = re.compile(rb'"text":' + _LITERAL)
+# The C scanner behind json.loads for one string literal (not in typeshed).
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+class Guard:
+    """The validators of one policy, compiled; share it between requests."""
+
+    __slots__ = (
+        "abort_mask",
+        "active",
+        "ctrl_re",
+        "fffd_max",
+        "fffd_window",
+        "malformed_abort",
+        "malformed_on",
+        "needle_re",
+        "policy",
+        "rep_max_period",
+        "rep_min_chars",
+        "rep_min_repeats",
+        "rep_probe",
+        "strict_json",
+        "tail_keep",
+        "tok_firsts",
+        "tok_keep",
+    )
+
+    def __init__(self, policy: GuardPolicy) -> None:
+        self.policy = policy
+        self.active = policy.enabled
+        cc, rc, tk, rp, mf = (
+            policy.control_chars,
+            policy.replacement_chars,
+            policy.special_tokens,
+            policy.repetition,
+            policy.malformed,
+        )
+        mask = 0
+        for bit, rule in ((_CTRL, cc), (_FFFD, rc), (_TOK, tk), (_REP, rp)):
+            if rule.action == "abort":
+                mask |= bit
+        self.abort_mask = mask
+
+        self.ctrl_re: re.Pattern[str] | None = None
+        if cc.enabled:
+            c1 = "\x80-\x9f" if cc.c1 else ""
+            self.ctrl_re = re.compile(f"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f{c1}]")
+
+        self.fffd_window = rc.window_chars if rc.enabled else 0
+        self.fffd_max = rc.max_in_window
+
+        self.needle_re: re.Pattern[str] | None = None
+        self.tok_keep = 0
+        self.tok_firsts: tuple[str, ...] = ()
+        if tk.enabled and tk.tokens:
+            # Longest first, so a token that is a prefix of another does not hide it.
+            tokens = sorted(set(tk.tokens), key=len, reverse=True)
+            self.needle_re = re.compile("|".join(re.escape(t) for t in tokens))
+            # Enough previous text to complete any token that ends in the new text.
+            self.tok_keep = len(tokens[0]) - 1
+            # A token can only be there if its first character is; `in` is far
+            # cheaper than the search (the defaults all start with "<").
+            firsts = tuple(sorted({t[0] for t in tokens}))
+            self.tok_firsts = firsts if len(firsts) <= 4 else ()
+
+        self.rep_max_period = rp.max_period if rp.enabled else 0
+        self.rep_min_repeats = rp.min_repeats
+        self.rep_min_chars = rp.min_chars
+        spans = [self.rep_span(p) for p in range(1, self.rep_max_period + 1)]
+        # The probe (the text's last characters, searched for within max_period
+        # before) must fit in every candidate span minus one period, so a real
+        # repetition always yields its period as a candidate.
+        self.rep_probe = max(1, min([16] + [s - p for p, s in enumerate(spans, 1)]))
+        self.tail_keep = max(spans, default=0)
+
+        self.malformed_on = mf.enabled
+        self.malformed_abort = mf.action == "abort"
+        self.strict_json = mf.strict_json
+
+    def rep_span(self, period: int) -> int:
+        """Characters that must have period `period` for the repetition rule."""
+        return max(self.rep_min_repeats * period, self.rep_min_chars)
+
+    def stream(self) -> StreamGuard:
+        return StreamGuard(self)
+
+    def check_body(self, body: bytes, notes: list[Trip] | None = None) -> Trip | None:
+        """The rules on a non-streaming `chat.completion` / `text_completion` body.
+
+        Returns the first trip of an `abort` rule, or None; trips of `log` rules
+        are appended to `notes` when given. Upstream error objects pass.
+        """
+        if not self.active:
+            return None
+        sg = StreamGuard(self)
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            obj = _NOT_JSON
+        texts = _choice_texts(obj)
+        if isinstance(texts, str):
+            if texts == _ERROR_OBJECT or not self.malformed_on:
+                return None
+            return _malformed(texts, body)
+        for index, text in texts:
+            st = sg.choice(index)
+            # In pieces, so the tail rules (split tokens, repetition) see the text as
+            # a stream would, and a loop that ended before the last token still counts.
+            for i in range(0, len(text), _BODY_STEP):
+                trip = sg.check_text(st, text[i : i + _BODY_STEP])
+                if trip is not None:
+                    return trip
+        if notes is not None:
+            notes.extend(sg.notes)
+        return None
+
+
+# --------------------------------------------------------------------------- per stream
+
+
+class _Choice:
+    """What the tail rules remember of one choice's text."""
+
+    __slots__ = ("edge", "fffd", "next_rep", "pending", "tail", "total")
+
+    def __init__(self) -> None:
+        self.total = 0  # characters seen
+        # The last Guard.tok_keep characters when they hold a token's first
+        # character (the start of a token split across chunks), else "".
+        self.edge = ""
+        # Repetition: the last Guard.tail_keep characters as of the last look,
+        # and the texts since; joined only when looking (copying a 1 KB tail per
+        # token would cost more than all the rules).
+        self.tail = ""
+        self.pending: list[str] = []
+        self.next_rep = 0  # `total` at which repetition is looked for next
+        self.fffd: deque[int] | None = None  # positions of recent U+FFFD
+
+
+class StreamGuard:
+    """The guard's state for one streamed response; feed it every region."""
+
+    __slots__ = ("_c0", "_choices", "_content_re", "_g", "_muted", "notes")
+
+    def __init__(self, guard: Guard) -> None:
+        self._g = guard
+        self._c0 = _Choice()
+        self._choices: dict[int, _Choice] | None = None
+        self._content_re: re.Pattern[bytes] | None = None
+        self._muted = 0
+        self.notes: list[Trip] = []
+        """Trips that did not stop the stream (`log` rules, dropped events); the
+        relay drains it."""
+
+    def feed(self, region: bytes) -> GuardVerdict:
+        """Check one region of whole events; see the module docstring."""
+        if not self._g.active:
+            return region
+        verdict = self._fast(region)
+        if verdict is not None:
+            return verdict
+        if region.endswith(DONE_EVENT) and len(region) > len(DONE_EVENT):
+            # The last region: chunks then [DONE]. Keep the chunks on the fast path.
+            head = region[: -len(DONE_EVENT)]
+            verdict = self._fast(head)
+            if verdict is head:
+                return region
+            if verdict is not None:
+                return verdict  # a Trip: _fast never drops events
+        return self._slow(region)
+
+    def feed_final(self, region: bytes) -> GuardVerdict:
+        """`feed` for the region `SSEFramer.flush()` returns at the end of the stream.
+
+        That event lacked its blank line, so it may be cut off anywhere — even
+        just after a `}` — and is always parsed rather than shape-checked.
+        """
+        if not self._g.active:
+            return region
+        return self._slow(region)
+
+    # -- fast path ----------------------------------------------------------------
+
+    def _fast(self, region: bytes) -> GuardVerdict | None:
+        """None when the region needs the slow path (before any state changed).
+
+        The shape check costs three scans of the region. Every event must be one
+        `data: {...}` line whose object has `"choices":[{"index":0,` and no other
+        `"index"` key: k such events need k of each marker and 2k newlines (a
+        data line and the blank line). Error events, comments, `[DONE]`, usage
+        chunks, several choices or tool calls, other key orders all miss and
+        take the slow path.
+        """
+        if not (
+            region.startswith(b"data: {") and region.endswith(b"}\n\n") and not self._g.strict_json
+        ):
+            return None
+        k = region.count(b'"choices":[{"index":0,') or region.count(b'"choices": [{"index": 0, ')
+        if not k or region.count(b'"index":') != k or region.count(b"\n") != 2 * k:
+            return None
+        cre = self._content_re
+        if cre is None:
+            # Decided once per stream: completions carry `"text":`, chat chunks never do.
+            if b'"text":' in region:
+                cre = self._content_re = _TEXT_RE
+            elif b'"content":' in region:
+                cre = self._content_re = _CONTENT_RE
+            else:
+                return region  # e.g. a usage-only chunk: no text yet
+        literals = cre.findall(region)
+        if not literals:
+            return region
+        # Concatenated literals decode to the concatenated texts: a literal never
+        # ends inside an escape.
+        raw = literals[0] if len(literals) == 1 else b"".join(literals)
+        try:
+            text = raw.decode() if b"\\" not in raw else _scanstring(raw.decode() + '"', 0)[0]
+        except ValueError:
+            return None
+        if text:
+            trip = self.check_text(self._c0, text)
+            if trip is not None:
+                return trip
+        return region
+
+    # -- slow path ----------------------------------------------------------------
+
+    def _slow(self, region: bytes) -> GuardVerdict:
+        g = self._g
+        parser = SSEParser()
+        events = parser.feed(region) + parser.flush()
+        kept: list[bytes] = []
+        dropped = False
+        for ev in events:
+            data = ev.data
+            if data is None or data == DONE:
+                kept.append(ev.raw)
+                continue
+            bad_json = False
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                # Raw control characters inside strings are invalid JSON, but the
+                # control-character rule should still name them.
+                bad_json = True
+                try:
+                    obj = json.loads(data, strict=False)
+                except ValueError:
+                    obj = _NOT_JSON
+            texts = _choice_texts(obj)
+            if isinstance(texts, list):
+                for index, text in texts:
+                    trip = self.check_text(self.choice(index), text)
+                    if trip is not None:
+                        return trip
+                if bad_json:
+                    texts = "not valid JSON"
+            if isinstance(texts, str) and texts != _ERROR_OBJECT and g.malformed_on:
+                if g.malformed_abort:
+                    return _malformed(texts, data)
+                self.notes.append(_malformed(texts, data, dropped=True))
+                dropped = True
+                continue
+            kept.append(ev.raw)
+        return b"".join(kept) if dropped else region
+
+    # -- the content rules ----------------------------------------------------------
+
+    def choice(self, index: int) -> _Choice:
+        if index == 0:
+            return self._c0
+        if self._choices is None:
+            self._choices = {}
+        st = self._choices.get(index)
+        if st is None:
+            st = self._choices[index] = _Choice()
+        return st
+
+    def check_text(self, st: _Choice, text: str) -> Trip | None:
+        """Run the content rules on a choice's new text; remember what they need."""
+        g = self._g
+        muted = self._muted
+
+        if g.ctrl_re is not None and not muted & _CTRL:
+            m = g.ctrl_re.search(text)
+            if m is not None:
+                i = m.start()
+                trip = self._rule(
+                    _CTRL,
+                    Trip(
+                        "control_chars",
+                        f"The model's answer contained a control character "
+                        f"(U+{ord(text[i]):04X}), so it was stopped.",
+                        _around(text, i, i + 1),
+                    ),
+                )
+                if trip is not None:
+                    return trip
+
+        if g.fffd_window and not muted & _FFFD and "\ufffd" in text:
+            trip = self._fffd(st, text)
+            if trip is not None:
+                return trip
+
+        if g.needle_re is not None and not muted & _TOK:
+            m = None
+            firsts = g.tok_firsts
+            if st.edge or not firsts or any(c in text for c in firsts):
+                window = st.edge + text
+                edge = window[-g.tok_keep :] if g.tok_keep else ""
+                st.edge = edge if not firsts or any(c in edge for c in firsts) else ""
+                m = g.needle_re.search(window)
+            if m is not None:
+                trip = self._rule(
+                    _TOK,
+                    Trip(
+                        "special_tokens",
+                        f"The model's answer contained the special token {m.group()!r}, "
+                        "so it was stopped.",
+                        repr(m.group())[:_EXCERPT],
+                    ),
+                )
+                if trip is not None:
+                    return trip
+
+        st.total += len(text)
+        if not g.rep_max_period or muted & _REP:
+            return None
+        st.pending.append(text)
+        if st.total >= st.next_rep:
+            st.next_rep = st.total + _REP_STRIDE
+            tail = st.tail + "".join(st.pending)
+            st.pending.clear()
+            if len(tail) > g.tail_keep:
+                tail = tail[-g.tail_keep :]
+            st.tail = tail
+            found = self._repetition(tail)
+            if found is not None:
+                period, span = found
+                unit = tail[-period:]
+                excerpt = f"{unit[:24]!r} x{span // period}+"
+                return self._rule(
+                    _REP,
+                    Trip(
+                        "repetition",
+                        "The model's answer degenerated into a repetition loop, so it was stopped.",
+                        excerpt[:_EXCERPT],
+                    ),
+                )
+        return None
+
+    def _rule(self, bit: int, trip: Trip) -> Trip | None:
+        """An `abort` rule's trip stops the stream; a `log` rule's is noted once."""
+        if self._g.abort_mask & bit:
+            return trip
+        self._muted |= bit
+        self.notes.append(trip)
+        return None
+
+    def _fffd(self, st: _Choice, text: str) -> Trip | None:
+        g = self._g
+        window, limit = g.fffd_window, g.fffd_max
+        seen = st.fffd
+        if seen is None:
+            seen = st.fffd = deque(maxlen=limit + 1)
+        i = text.find("\ufffd")
+        while i >= 0:
+            pos = st.total + i
+            seen.append(pos)
+            # The window ending at this U+FFFD holds every remembered one within
+            # `window` characters; a denser window would end at a U+FFFD too.
+            if len(seen) > limit and pos - seen[0] < window:
+                return self._rule(
+                    _FFFD,
+                    Trip(
+                        "replacement_chars",
+                        f"The model's answer contained more than {limit} undecodable "
+                        f"characters (U+FFFD) within {window} characters, so it was stopped.",
+                        _around(text, i, i + 1),
+                    ),
+                )
+            i = text.find("\ufffd", i + 1)
+        return None
+
+    def _repetition(self, t: str) -> tuple[int, int] | None:
+        """(period, span) when the end of `t` is a degenerate loop, else None.
+
+        Candidates are the distances at which the last `rep_probe` characters
+        occur again within `max_period` before: one `rfind` for ordinary text,
+        which almost never repeats 16 characters that closely.
+        """
+        g = self._g
+        n = len(t)
+        m = g.rep_probe
+        if n < g.rep_span(1) or n <= m:
+            return None
+        probe = t[n - m :]
+        lo = max(0, n - m - g.rep_max_period)
+        end = n - 1
+        while True:
+            j = t.rfind(probe, lo, end)
+            if j < 0:
+                return None
+            period = n - m - j
+            span = g.rep_span(period)
+            # t[-span:] has period p ⇔ it starts with its own last span-p chars.
+            if span <= n and t.startswith(t[n - span + period :], n - span):
+                return period, span
+            end = j + m - 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+_ERROR_OBJECT: Final = "error object"
+_NOT_JSON: Final = object()
+
+
+def _choice_texts(obj: Any) -> list[tuple[int, str]] | str:
+    """(choice index, text) of a chunk or body, or why it is not one.
+
+    Text is `delta.content` / `message.content` (chat) or `text` (completions).
+    """
+    if obj is _NOT_JSON:
+        return "not JSON"
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    if "error" in obj:
+        return _ERROR_OBJECT
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return "no choices list"
+    out: list[tuple[int, str]] = []
+    for ch in choices:
+        if not isinstance(ch, dict):
+            return "a choice is not an object"
+        index = ch.get("index", 0)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            return "a choice has a bad index"
+        holder = ch.get("delta")
+        if holder is None:
+            holder = ch.get("message")
+        if holder is None:
+            text = ch.get("text")
+        elif isinstance(holder, dict):
+            text = holder.get("content")
+        else:
+            return "a choice's delta is not an object"
+        if isinstance(text, str):
+            out.append((index, text))
+        elif text is not None:
+            return "a choice's text is not a string"
+    return out
+
+
+def _malformed(reason: str, data: bytes, dropped: bool = False) -> Trip:
+    message = (
+        "The backend sent a malformed event; it was dropped."
+        if dropped
+        else "The backend sent a malformed answer, so it was stopped."
+    )
+    return Trip("malformed", message, f"{reason}: {data[:16]!r}"[:_EXCERPT])
+
+
+def _around(text: str, start: int, end: int) -> str:
+    """repr of text[start:end] with a few characters either side, ≤ 40 chars."""
+    r = repr(text[max(0, start - 6) : end + 6])
+    return r if len(r) <= _EXCERPT else r[: _EXCERPT - 1] + "…"

@@ -217,9 +217,13 @@ async def force_tier(request: web.Request) -> web.Response:
         body = json.loads(await request.read() or b"{}")
     except ValueError:
         return error_response(400, "body must be JSON", code="invalid_json")
-    tier = body.get("tier") if isinstance(body, dict) else None
-    if body.get("release") if isinstance(body, dict) else False:
-        tier = None
+    if not isinstance(body, dict) or not ("tier" in body or body.get("release") is True):
+        return error_response(
+            400,
+            'expected {"tier": "<tier>"}, {"tier": null} or {"release": true}',
+            code="invalid_request",
+        )
+    tier = None if body.get("release") is True else body.get("tier")
     if tier is not None and tier not in TIERS:
         return error_response(
             400, f"tier must be one of {', '.join(TIERS)} or null", code="invalid_tier"

@@ -103,6 +103,13 @@ class Runtime:
         fallback = self.upstreams.get("fallback")
         if dest == "primary" or fallback is None:
             order = [primary] if fallback is None else [primary, fallback]
+        elif (
+            not self.policy.ladder.failover.recovery_probe
+            and primary.breaker.state == "open"
+            and self.clock() >= primary.breaker.retry_at()
+        ):
+            # No recovery prober: a real request is the primary's half-open trial.
+            order = [primary, fallback]
         else:
             order = [fallback, primary]
         if not self.policy.ladder.failover.on_connect_error:
@@ -117,11 +124,8 @@ class Runtime:
         failover_on = self.policy.ladder.failover.enabled
         primary_ok = p.available or not failover_on
         fallback_ok = f is not None and f.available
-        detail = ""
-        if not p.available:
-            detail = _why(p)
-        elif f is not None and not f.available:
-            detail = _why(f)
+        reasons = [_why(u) for u in (p, f) if u is not None and not u.available]
+        detail = "; ".join(reasons)
         if pressure and not detail:
             detail = self.pressure.reason
         return Signals(

@@ -96,3 +96,19 @@ def test_snapshot() -> None:
     assert snap["state"] == "closed"
     assert snap["consecutive_failures"] == 1
     assert snap["last_failure"] == "http_503"
+
+
+def test_a_trial_without_outcome_does_not_wedge_the_breaker() -> None:
+    b, clock, _ = make(fail_max=1, reset_timeout_s=10, half_open_max_calls=1)
+    b.record_failure("connect")
+    clock.t += 10
+    assert b.allow()
+    assert not b.allow()
+    b.release_trial()  # the trial's client left: no outcome, slot back
+    assert b.allow()
+    # A trial that never reports at all expires after reset_timeout_s.
+    assert not b.allow()
+    clock.t += 10
+    assert b.allow()
+    b.record_success()
+    assert b.state == "closed"
