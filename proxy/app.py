@@ -15,6 +15,8 @@ from proxy.keys import RUNTIME
 from proxy.metrics import TIER_VALUES, Metrics
 from proxy.pressure import parse_vllm_metrics
 from proxy.runtime import Runtime
+from proxy.sessions import make_store
+from proxy.trim import HFTokenCounter
 from proxy.upstream import Upstream, running_upstream
 
 
@@ -27,6 +29,7 @@ def create_app(policy: Policy) -> web.Application:
     metrics.tier.set_function(lambda: TIER_VALUES[rt.tier])
     app[RUNTIME] = rt
     app.cleanup_ctx.append(_upstreams)
+    app.cleanup_ctx.append(_sessions)
     app.cleanup_ctx.append(_ladder_loop)
     app.cleanup_ctx.append(_engine_scrape)
 
@@ -61,6 +64,18 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
             )
             rt.add_upstream(up)
         yield
+
+
+async def _sessions(app: web.Application) -> AsyncIterator[None]:
+    """The session store, and the local tokenizers the policy names (loaded
+    off the event loop, once)."""
+    rt = app[RUNTIME]
+    rt.store = make_store(rt.policy.sessions)
+    for name, up in rt.upstreams.items():
+        if up.policy.tokenizer:
+            rt.counters[name] = await HFTokenCounter.load(up.policy.tokenizer)
+    yield
+    await rt.store.close()
 
 
 async def _ladder_loop(app: web.Application) -> AsyncIterator[None]:

@@ -29,11 +29,20 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.admission import Priority, Rejected
-from proxy.errors import JSON_CT, error_body, error_response
+from proxy.conversation import (
+    SessionContext,
+    answer_from_body,
+    make_turn,
+    merge_history,
+    surely_fits,
+)
+from proxy.errors import JSON_CT, RequestRejected, error_body, error_response
 from proxy.maintenance import last_user_text, render_json, render_stream
-from proxy.relay import StreamResult, end_with_error, relay_stream
+from proxy.relay import StreamResult, end_with_error, has_finish_reason, relay_stream
 from proxy.rescue import continuation_body, partial_text
 from proxy.runtime import Runtime
+from proxy.sessions import SessionStoreUnavailable
+from proxy.trim import ContextTooLong, EstimateTokenCounter, TokenCountError, budget_tokens, trim
 from proxy.upstream import HOP_BY_HOP, Upstream
 from proxy.validate import Endpoint
 
@@ -81,9 +90,11 @@ class Flow:
         rid: str,
         t0: float,
         priority: Priority = "normal",
+        session: SessionContext | None = None,
     ) -> None:
         self.request = request
         self.priority = priority
+        self.session = session
         self.rt = rt
         self.endpoint = endpoint
         self.raw = raw
@@ -96,11 +107,24 @@ class Flow:
         self.rescued = False
         self.overhead_pre = 0.0
         self._adapted: dict[str, dict[str, Any]] = {}
+        self.body_changed = False
 
     # -- the flow ----------------------------------------------------------------
 
     async def run(self) -> web.StreamResponse:
+        try:
+            return await self._run()
+        except RequestRejected as rej:
+            self.rt.metrics.bad_requests.labels(rej.code).inc()
+            self.finish(
+                "none", rej.status, self.loop.time(), outcome="rejected", detail=rej.message
+            )
+            return rej.response(self.response_headers("none"))
+
+    async def _run(self) -> web.StreamResponse:
         rt = self.rt
+        if self.session is not None:
+            await self.load_history(self.session)
         dest, candidates = rt.route()
         if dest == "maintenance":
             return self.maintenance(f"tier {rt.tier}")
@@ -169,7 +193,7 @@ class Flow:
 
     async def _attempt(self, up: Upstream) -> web.StreamResponse | None:
         rt = self.rt
-        payload = self.payload_for(up)
+        payload = await self.payload_for(up)
         url = up.chat_url if self.endpoint == "chat" else up.completions_url
         headers = upstream_headers(self.request, up, self.rid)
         t_call = self.loop.time()
@@ -257,6 +281,8 @@ class Flow:
             body = upstream_error_body(resp.status, body)
             ctype = JSON_CT
         headers["Content-Type"] = ctype
+        if resp.status == 200 and self.session is not None and self.endpoint == "chat":
+            await self.save_turn(answer_from_body(body))
         out = web.Response(status=resp.status, body=body, headers=headers)
         now = self.loop.time()
         rt.metrics.overhead.observe(self.overhead_pre + (now - t_upstream))
@@ -283,7 +309,7 @@ class Flow:
             heartbeat_s=rt.policy.server.heartbeat_s,
             first_byte_deadline=deadline,
             idle_s=up.policy.timeouts.idle_s,
-            keep=self.can_rescue(up),
+            keep=self.can_rescue(up) or self.session is not None,
         )
         if not result.started:
             assert result.response is not None
@@ -304,10 +330,14 @@ class Flow:
                 rt.report_failure(up, "slow_ttft", f"{ttft:.2f}s")
             else:
                 rt.report_success(up)
+            if self.session is not None and self.endpoint == "chat":
+                await self.save_turn(self.streamed_answer(result))
         elif result.outcome != "client_disconnect":
             rt.report_failure(up, result.outcome, result.detail)
             if not await self.rescue(up, result):
                 await end_with_error(result)
+            elif self.rescued and self.session is not None:
+                await self.save_turn(self.streamed_answer(result))
         self.finish_stream(up.name, result)
         assert result.client is not None
         return result.client
@@ -343,7 +373,7 @@ class Flow:
     async def _rescue_on(self, fb: Upstream, up: Upstream, result: StreamResult) -> bool:
         rt = self.rt
         partial, produced = partial_text(result.regions or [], self.endpoint)
-        body = continuation_body(self.adapted(fb), partial, produced, self.endpoint)
+        body = continuation_body(await self.adapted(fb), partial, produced, self.endpoint)
         client = result.client
         assert client is not None
         log.warning(
@@ -416,9 +446,9 @@ class Flow:
 
     # -- request adaptation ------------------------------------------------------
 
-    def adapted(self, up: Upstream) -> dict[str, Any]:
+    async def adapted(self, up: Upstream) -> dict[str, Any]:
         """The body as this backend should get it: model name, parameters it
-        lacks removed, max_tokens within its window."""
+        lacks removed, max_tokens within its window, messages trimmed to it."""
         cached = self._adapted.get(up.name)
         if cached is not None:
             return cached
@@ -440,23 +470,121 @@ class Flow:
                 if isinstance(v, int) and v >= window:
                     out = dict(out or body)
                     out[key] = max(1, window // 2)
+            if self.endpoint == "chat":
+                trimmed = await self.trimmed_messages(up, out or body, window)
+                if trimmed is not None:
+                    out = dict(out or body)
+                    out["messages"] = trimmed
         result = out if out is not None else body
         self._adapted[up.name] = result
         return result
 
-    def payload_for(self, up: Upstream) -> bytes:
-        adapted = self.adapted(up)
+    async def trimmed_messages(
+        self, up: Upstream, body: dict[str, Any], window: int
+    ) -> list[dict[str, Any]] | None:
+        """Messages fitted to `window` (None: nothing to drop)."""
+        rt = self.rt
+        tp = rt.policy.sessions.trimming
+        if self.session is None and not tp.trim_stateless:
+            return None
+        messages = body["messages"]
+        mt = body.get("max_tokens", body.get("max_completion_tokens"))
+        budget = budget_tokens(
+            window,
+            mt if isinstance(mt, int) else None,
+            margin_tokens=tp.margin_tokens,
+            default_max_tokens=tp.default_max_tokens,
+        )
+        if budget > 0 and surely_fits(messages, int(budget * tp.high_water)):
+            return None  # the common case: no tokenizer call at all
+        counter = rt.counter_for(up)
+        try:
+            res = await trim(
+                messages, budget, counter, high_water=tp.high_water, low_water=tp.low_water
+            )
+        except TokenCountError as exc:
+            rt.metrics.token_estimates.labels(up.name).inc()
+            log.warning("token_count_failed", backend=up.name, error=str(exc))
+            res = await trim(
+                messages,
+                budget,
+                EstimateTokenCounter(),
+                high_water=tp.high_water,
+                low_water=tp.low_water,
+            )
+        except ContextTooLong as exc:
+            raise RequestRejected(
+                400,
+                f"{exc} (backend {up.name}, max_model_len {window})",
+                "context_length_exceeded",
+                "messages",
+            ) from None
+        if res.estimated:
+            rt.metrics.token_estimates.labels(up.name).inc()
+        if not res.trimmed:
+            return None
+        rt.metrics.trimmed.labels(up.name).inc()
+        rt.metrics.trimmed_turns.labels(up.name).inc(res.dropped_turns)
+        return [dict(m) for m in res.messages]
+
+    async def payload_for(self, up: Upstream) -> bytes:
+        adapted = await self.adapted(up)
         # Unchanged bodies go upstream as the client sent them.
-        return self.raw if adapted is self.body else json.dumps(adapted).encode()
+        return (
+            self.raw
+            if adapted is self.body and not self.body_changed
+            else json.dumps(adapted).encode()
+        )
+
+    # -- sessions ----------------------------------------------------------------
+
+    async def load_history(self, ctx: SessionContext) -> None:
+        rt = self.rt
+        try:
+            history = await rt.store.load(ctx.key)
+        except SessionStoreUnavailable as exc:
+            ctx.status = "unavailable"
+            rt.metrics.session_ops.labels("load", "unavailable").inc()
+            log.warning("session_store_unavailable", request_id=self.rid, op="load", error=str(exc))
+            return
+        rt.metrics.session_ops.labels("load", "ok").inc()
+        ctx.history_messages = len(history)
+        if history:
+            self.body = merge_history(self.body, history)
+            self.body_changed = True
+
+    async def save_turn(self, assistant: str | None) -> None:
+        ctx = self.session
+        if ctx is None or ctx.status == "unavailable" or assistant is None:
+            return
+        rt = self.rt
+        try:
+            await rt.store.append(ctx.key, [make_turn(ctx, assistant)])
+        except SessionStoreUnavailable as exc:
+            rt.metrics.session_ops.labels("save", "unavailable").inc()
+            log.warning("session_store_unavailable", request_id=self.rid, op="save", error=str(exc))
+            return
+        ctx.saved = True
+        rt.metrics.session_ops.labels("save", "ok").inc()
 
     # -- answers -----------------------------------------------------------------
 
     def response_headers(self, backend: str) -> dict[str, str]:
-        return {
+        h = {
             "X-Request-Id": self.rid,
             "X-Brownout-Tier": self.rt.tier,
             "X-Brownout-Backend": backend,
         }
+        if self.session is not None:
+            h["X-Brownout-Session"] = self.session.status
+        return h
+
+    def streamed_answer(self, result: StreamResult) -> str | None:
+        """The full text of a finished stream (decoded once, at the end)."""
+        if not result.regions or not has_finish_reason(b"".join(result.regions[-3:])):
+            return None
+        text, _ = partial_text(result.regions, self.endpoint)
+        return text
 
     def maintenance(self, why: str) -> web.Response:
         rt = self.rt

@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 
+from proxy.conversation import SessionContext, user_text
 from proxy.errors import RequestRejected, error_response
 from proxy.forward import Flow, upstream_headers
 from proxy.keys import RUNTIME
 from proxy.ladder import TIERS
 from proxy.runtime import Runtime, request_id
+from proxy.sessions import SessionIdError, session_key
 from proxy.validate import Endpoint, parse_body
 
 log = structlog.get_logger("brownout.request")
@@ -79,13 +82,46 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
     rt.inflight += 1
     try:
         auth = request.headers.get("Authorization", "")
-        priority = rt.priority_for(
-            request.headers.get("X-Priority"), auth[7:] if auth[:7].lower() == "bearer " else None
+        api_key = auth[7:] if auth[:7].lower() == "bearer " else None
+        priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
+        session: SessionContext | None = None
+        sid = request.headers.get("X-Session-Id")
+        if sid is not None:
+            ctx = _session_context(rt, sid, api_key, parsed.body, endpoint)
+            if isinstance(ctx, web.Response):
+                return ctx
+            session = ctx
+        flow = Flow(
+            request, rt, endpoint, raw, parsed.body, parsed.stream, rid, t0, priority, session
         )
-        flow = Flow(request, rt, endpoint, raw, parsed.body, parsed.stream, rid, t0, priority)
         return await flow.run()
     finally:
         rt.inflight -= 1
+
+
+def _session_context(
+    rt: Runtime, sid: str, api_key: str | None, body: dict[str, Any], endpoint: Endpoint
+) -> SessionContext | web.Response:
+    """The session a request belongs to, or the 400 that says why it can't."""
+    if endpoint != "chat":
+        return error_response(
+            400, "X-Session-Id is only supported on /v1/chat/completions", code="invalid_session"
+        )
+    try:
+        # With client keys configured, the key scopes the session.
+        key = session_key(rt.policy.sessions.key_prefix, sid, api_key)
+    except SessionIdError as exc:
+        rt.metrics.bad_requests.labels("invalid_session_id").inc()
+        return error_response(400, str(exc), code="invalid_session_id", param="X-Session-Id")
+    text = user_text(body)
+    if text is None:
+        return error_response(
+            400,
+            "a session request must end with a user message holding text",
+            code="invalid_session",
+            param="messages",
+        )
+    return SessionContext(key=key, user_text=text)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -190,6 +190,36 @@ class Metrics:
             registry=r,
         )
 
+        self.session_ops = Counter(
+            "brownout_session_ops",
+            "Session store operations by result (ok, unavailable).",
+            ["op", "result"],
+            registry=r,
+        )
+        self.session_store_up = Gauge(
+            "brownout_session_store_up",
+            "1 while the session store answers.",
+            registry=r,
+        )
+        self.trimmed = Counter(
+            "brownout_trimmed_requests",
+            "Requests whose messages were trimmed to the window.",
+            ["backend"],
+            registry=r,
+        )
+        self.trimmed_turns = Counter(
+            "brownout_trimmed_turns",
+            "Turns dropped from prompts to fit the window.",
+            ["backend"],
+            registry=r,
+        )
+        self.token_estimates = Counter(
+            "brownout_token_count_estimates",
+            "Trims that had to estimate token counts (no tokenizer, /tokenize failed).",
+            ["backend"],
+            registry=r,
+        )
+
     def for_backend(self, name: str) -> BackendMetrics:
         return BackendMetrics(
             ttft=self.ttft.labels(name),

@@ -26,6 +26,8 @@ from proxy.ladder import Destination, Ladder, Signals, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
 from proxy.pressure import PressureMonitor, next_limit
+from proxy.sessions import MemorySessionStore, SessionStore
+from proxy.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.upstream import Upstream
 
 log = structlog.get_logger("brownout.ladder")
@@ -66,6 +68,28 @@ class Runtime:
         m.upstream_kv_cache.set_function(lambda: self.pressure.engine.kv_cache)
         self._wall_offset = time.time() - self.clock()
         self._evaluate_soon: asyncio.Handle | None = None
+        # Sessions and token counters: set up in the app's cleanup context.
+        self.store: SessionStore = MemorySessionStore(
+            max_sessions=pol.sessions.max_sessions,
+            ttl_s=pol.sessions.ttl_s,
+            max_turns=pol.sessions.max_turns,
+        )
+        self.counters: dict[str, TokenCounter] = {}
+        self._estimate = EstimateTokenCounter()
+        m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
+
+    def counter_for(self, up: Upstream) -> TokenCounter:
+        """The backend's own tokenizer when the policy names one, else its
+        /tokenize endpoint (once its served model is known), else an estimate."""
+        c = self.counters.get(up.name)
+        if c is not None:
+            return c
+        model = up.policy.model or up.served_model
+        if up.policy.kind in ("vllm", "transformers") and model:
+            c = RemoteTokenCounter(up.session, str(up.base), model)
+            self.counters[up.name] = c
+            return c
+        return self._estimate
 
     def _on_queue_wait(self, seconds: float) -> None:
         self.metrics.queue_wait.observe(seconds)
@@ -253,6 +277,11 @@ class Runtime:
                     else None,
                     "error": self.pressure.engine.error,
                 },
+            },
+            "sessions": {
+                "store": self.policy.sessions.store.split("@")[-1],
+                "healthy": self.store.healthy,
+                "last_error": self.store.last_error,
             },
             "policy": {"source": self.policy.source},
             "uptime_s": round(time.time() - self.started_at, 1),
