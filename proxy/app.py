@@ -16,6 +16,7 @@ from proxy.metrics import TIER_VALUES, Metrics
 from proxy.pressure import parse_vllm_metrics
 from proxy.runtime import Runtime
 from proxy.sessions import make_store
+from proxy.shared import SharedState
 from proxy.trim import HFTokenCounter
 from proxy.upstream import Upstream, running_upstream
 
@@ -32,6 +33,7 @@ def create_app(policy: Policy) -> web.Application:
     app.cleanup_ctx.append(_sessions)
     app.cleanup_ctx.append(_ladder_loop)
     app.cleanup_ctx.append(_engine_scrape)
+    app.cleanup_ctx.append(_shared_state)
 
     r = app.router
     r.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -132,4 +134,26 @@ async def _scrape_forever(rt: Runtime, up: Upstream, interval: float) -> None:
                 rt.pressure.engine.error = f"/metrics returned HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
             rt.pressure.engine.error = f"{type(exc).__name__}"
+        await asyncio.sleep(interval)
+
+
+async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+    """Follow the other replicas' breakers and forced tier through Redis."""
+    rt = app[RUNTIME]
+    pol = rt.policy.ladder.shared
+    if not pol.redis:
+        yield
+        return
+    rt.shared = SharedState(pol)
+    task = asyncio.create_task(_sync_forever(rt, pol.interval_s), name="shared-state")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await rt.shared.close()
+
+
+async def _sync_forever(rt: Runtime, interval: float) -> None:
+    while True:
+        await rt.sync_shared()
         await asyncio.sleep(interval)

@@ -153,6 +153,7 @@ class BackendBreaker:
         self._report(_fail, reason)
 
     def force_open(self, reason: str) -> None:
+        self.last_reason = reason
         self._pending_reason = reason
         self._cb.open()
 

@@ -25,6 +25,7 @@ from proxy.knobs import knob
 from proxy.ladder import RecoveryPolicy
 from proxy.pressure import ThrottlePolicy
 from proxy.sessions import SessionsPolicy
+from proxy.shared import SharedPolicy
 
 BackendKind = Literal["vllm", "transformers", "openai"]
 
@@ -165,6 +166,7 @@ class LadderPolicy:
     maintenance: MaintenancePolicy = knob(MaintenancePolicy, "")
     recovery: RecoveryPolicy = knob(RecoveryPolicy, "")
     breaker: BreakerPolicy = knob(BreakerPolicy, "")
+    shared: SharedPolicy = knob(SharedPolicy, "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +429,12 @@ def _semantic_checks(policy: Policy, root: yaml.Node, conv: _Converter) -> None:
         conv.issue(
             at("sessions", "store"),
             f"sessions.store: expected memory:// or redis://host:port/db, got {store!r}",
+        )
+    shared = policy.ladder.shared.redis
+    if shared and not shared.startswith(("redis://", "rediss://", "unix://")):
+        conv.issue(
+            at("ladder", "shared", "redis"),
+            f"ladder.shared.redis: expected redis://host:port/db, got {shared!r}",
         )
     if policy.sessions.max_turns < 1:
         conv.issue(at("sessions", "max_turns"), "sessions.max_turns: must be >= 1")

@@ -264,10 +264,8 @@ async def force_tier(request: web.Request) -> web.Response:
         return error_response(
             400, f"tier must be one of {', '.join(TIERS)} or null", code="invalid_tier"
         )
-    rt.ladder.force(tier)
+    rt.force_tier(tier)
     log.warning("tier_forced" if tier else "tier_released", tier=tier)
-    if tier is None:
-        rt.evaluate()
     return web.json_response(rt.status())
 
 

@@ -220,6 +220,12 @@ class Metrics:
             registry=r,
         )
 
+        self.shared_up = Gauge(
+            "brownout_shared_state_up",
+            "1 while the replicas' shared state (Redis) answers; 0 = local state only.",
+            registry=r,
+        )
+
     def for_backend(self, name: str) -> BackendMetrics:
         return BackendMetrics(
             ttft=self.ttft.labels(name),

@@ -12,7 +12,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +22,12 @@ from prometheus_client import Counter
 from proxy.admission import Admission, Priority
 from proxy.breaker import STATE_VALUES
 from proxy.config import Policy
-from proxy.ladder import Destination, Ladder, Signals, Transition
+from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
 from proxy.pressure import PressureMonitor, next_limit
 from proxy.sessions import MemorySessionStore, SessionStore
+from proxy.shared import SharedState
 from proxy.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.upstream import Upstream
 
@@ -77,6 +78,44 @@ class Runtime:
         self.counters: dict[str, TokenCounter] = {}
         self._estimate = EstimateTokenCounter()
         m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
+        self.shared: SharedState | None = None
+        self._applying_remote = False
+        self._background: set[asyncio.Task[None]] = set()
+        m.shared_up.set_function(
+            lambda: 1 if self.shared is not None and self.shared.healthy else 0
+        )
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Fire-and-forget work (shared-state writes) that must not delay a request."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def force_tier(self, tier: Tier | None) -> None:
+        self.ladder.force(tier)
+        if tier is None:
+            self.evaluate()
+        if self.shared is not None and not self._applying_remote:
+            self.spawn(self.shared.publish_forced(tier))
+
+    async def sync_shared(self) -> None:
+        """Apply what other replicas decided (breakers opened, a forced tier)."""
+        shared = self.shared
+        if shared is None:
+            return
+        opened, forced, ok = await shared.read(list(self.upstreams))
+        self._applying_remote = True
+        try:
+            for name, info in opened.items():
+                up = self.upstreams.get(name)
+                if up is not None and up.breaker.state == "closed":
+                    up.breaker.force_open(
+                        f"opened by replica {info.get('by')}: {info.get('reason', '')}"
+                    )
+            if ok and shared.forced_changed(forced):
+                self.force_tier(forced if forced in TIERS else None)
+        finally:
+            self._applying_remote = False
 
     def counter_for(self, up: Upstream) -> TokenCounter:
         """The backend's own tokenizer when the policy names one, else its
@@ -198,6 +237,10 @@ class Runtime:
     def on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:
         self.metrics.breaker_transitions.labels(name, old, new).inc()
         log.warning("breaker_changed", backend=name, old=old, new=new, reason=reason)
+        if new == "open" and self.shared is not None and not self._applying_remote:
+            ttl = self.policy.ladder.breaker.reset_timeout_s
+            with contextlib.suppress(RuntimeError):
+                self.spawn(self.shared.publish_breaker_open(name, reason, ttl))
         # No running loop only in unit tests of the breaker alone.
         with contextlib.suppress(RuntimeError):
             self.evaluate_soon()
@@ -283,6 +326,7 @@ class Runtime:
                 "healthy": self.store.healthy,
                 "last_error": self.store.last_error,
             },
+            "shared": self.shared.snapshot() if self.shared is not None else {"enabled": False},
             "policy": {"source": self.policy.source},
             "uptime_s": round(time.time() - self.started_at, 1),
         }

@@ -1,0 +1,138 @@
+"""Ladder state shared by the sidecar replicas in front of one engine, via Redis.
+
+What is shared, and how:
+- a breaker that opens on one replica is opened on the others (written as
+  `{prefix}breaker:{backend}` = `{"at": unix time, "by": replica, "reason"}`
+  with a TTL of the reset timeout), so one replica's evidence protects all;
+  each replica then recovers on its own probes;
+- a forced tier (`POST /brownout/tier`) is written to `{prefix}forced` and
+  followed by every replica; releasing it deletes the key.
+
+Replicas poll every `interval_s` (one pipelined round trip), so a change is
+seen within that interval — simpler than pub/sub and self-healing after a
+Redis restart. When Redis is unreachable every replica keeps serving on its
+local state and says so in `/brownout/status` and `brownout_shared_state_up`.
+Only the asyncio Redis client is used; nothing blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from proxy.knobs import knob
+
+log = structlog.get_logger("brownout.shared")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPolicy:
+    redis: str = knob(
+        "", "Redis URL shared by the replicas (`redis://host:port/db`); empty = no sharing."
+    )
+    key_prefix: str = knob("brownout:fleet:", "Prefix of the shared keys.")
+    interval_s: float = knob(0.5, "How often each replica reads the shared state.")
+    timeout_s: float = knob(0.5, "Redis operations slower than this count as Redis down.")
+
+
+class SharedState:
+    def __init__(self, policy: SharedPolicy) -> None:
+        self.policy = policy
+        self.replica = uuid.uuid4().hex[:12]
+        self.client: aioredis.Redis = aioredis.from_url(
+            policy.redis,
+            socket_timeout=policy.timeout_s,
+            socket_connect_timeout=policy.timeout_s,
+        )
+        self.healthy: bool | None = None
+        self.last_error: str | None = None
+        self._p = policy.key_prefix
+        # Remote facts already applied here (so they are applied once).
+        self._seen_breakers: dict[str, float] = {}
+        self._seen_forced: str | None = None
+
+    async def _run(self, coro: Any) -> Any:
+        try:
+            async with asyncio.timeout(self.policy.timeout_s * 2):
+                result = await coro
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self.healthy is not False:
+                log.warning("shared_state_unavailable", error=f"{type(exc).__name__}: {exc}")
+            self.healthy = False
+            self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return None
+        if self.healthy is False:
+            log.info("shared_state_back")
+        self.healthy = True
+        self.last_error = None
+        return result
+
+    async def publish_breaker_open(self, backend: str, reason: str, ttl_s: float) -> None:
+        now = time.time()
+        self._seen_breakers[backend] = now
+        value = json.dumps({"at": now, "by": self.replica, "reason": reason})
+        await self._run(
+            self.client.set(f"{self._p}breaker:{backend}", value, px=max(1, int(ttl_s * 1000)))
+        )
+
+    async def publish_forced(self, tier: str | None) -> None:
+        self._seen_forced = tier
+        key = f"{self._p}forced"
+        if tier is None:
+            await self._run(self.client.delete(key))
+        else:
+            await self._run(self.client.set(key, json.dumps({"tier": tier, "by": self.replica})))
+
+    async def read(self, backends: list[str]) -> tuple[dict[str, dict[str, Any]], str | None, bool]:
+        """(breakers opened elsewhere, forced tier, whether the read worked)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(f"{self._p}forced")
+        for b in backends:
+            pipe.get(f"{self._p}breaker:{b}")
+        values = await self._run(pipe.execute())
+        if values is None:
+            return {}, None, False
+        forced_raw, *breaker_raw = values
+        forced: str | None = None
+        if forced_raw:
+            try:
+                forced = json.loads(forced_raw)["tier"]
+            except (ValueError, KeyError, TypeError):
+                forced = None
+        opened: dict[str, dict[str, Any]] = {}
+        for b, raw in zip(backends, breaker_raw, strict=True):
+            if not raw:
+                continue
+            try:
+                info = json.loads(raw)
+            except ValueError:
+                continue
+            if info.get("by") != self.replica and info.get("at", 0) > self._seen_breakers.get(b, 0):
+                opened[b] = info
+                self._seen_breakers[b] = float(info["at"])
+        return opened, forced, True
+
+    def forced_changed(self, forced: str | None) -> bool:
+        if forced == self._seen_forced:
+            return False
+        self._seen_forced = forced
+        return True
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "replica": self.replica,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,121 @@
+"""Two replicas sharing ladder state through a private redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.integration.conftest import (
+    CHAT_BODY,
+    FakeUpstream,
+    ProxyFactory,
+    RunningProxy,
+    make_policy,
+)
+from tests.sessions.conftest import PrivateRedis
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[PrivateRedis]:
+    r = PrivateRedis(tmp_path)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def shared_policy(upstream: str, redis_url: str) -> Any:
+    from dataclasses import replace
+
+    policy = make_policy(
+        upstream,
+        extra=f"""
+ladder:
+  breaker: {{fail_max: 2, reset_timeout_s: 30}}
+  recovery: {{window_s: 0.05}}
+  shared: {{redis: "{redis_url}", interval_s: 0.1, timeout_s: 0.2}}
+""",
+    )
+    return replace(policy, server=replace(policy.server, admin_token="t0ken"))
+
+
+async def status(p: RunningProxy) -> dict[str, Any]:
+    async with p.session.get(p.url + "/brownout/status") as resp:
+        data: dict[str, Any] = await resp.json()
+        return data
+
+
+async def eventually(p: RunningProxy, pred: Any, limit_s: float) -> float:
+    t0 = time.monotonic()
+    while True:
+        st = await status(p)
+        if pred(st):
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < limit_s, st
+        await asyncio.sleep(0.02)
+
+
+async def test_breaker_and_forced_tier_reach_the_other_replica(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, redis_server: PrivateRedis
+) -> None:
+    async def boom(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    fake_upstream.handlers["/v1/chat/completions"] = boom
+    a = await start_proxy(shared_policy(fake_upstream.url, redis_server.url))
+    b = await start_proxy(shared_policy(fake_upstream.url, redis_server.url))
+    await eventually(b, lambda s: s["shared"]["healthy"] is True, 2)
+    body = {**CHAT_BODY, "stream": False}
+    for _ in range(2):  # opens A's breaker (fail_max 2)
+        async with a.session.post(a.url + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+    assert (await status(a))["backends"]["primary"]["breaker"] == "open"
+    seen = await eventually(b, lambda s: s["backends"]["primary"]["breaker"] == "open", 1.0)
+    st = await status(b)
+    assert "opened by replica" in st["backends"]["primary"]["breaker_detail"]["last_failure"]
+    assert st["tier"] == "maintenance"  # no fallback configured
+    assert seen < 1.0
+
+    # A forced tier set on B is followed by A, and so is its release.
+    async with b.session.post(
+        b.url + "/brownout/tier",
+        json={"tier": "maintenance"},
+        headers={"Authorization": "Bearer t0ken"},
+    ) as resp:
+        assert resp.status == 200
+    await eventually(a, lambda s: s["ladder"]["forced"] == "maintenance", 1.0)
+    async with b.session.post(
+        b.url + "/brownout/tier", json={"tier": None}, headers={"Authorization": "Bearer t0ken"}
+    ) as resp:
+        assert resp.status == 200
+    await eventually(a, lambda s: s["ladder"]["forced"] is None, 1.0)
+
+
+async def test_redis_down_replicas_keep_serving_on_local_state(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, redis_server: PrivateRedis
+) -> None:
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"object": "chat.completion", "choices": []})
+
+    fake_upstream.handlers["/v1/chat/completions"] = ok
+    a = await start_proxy(shared_policy(fake_upstream.url, redis_server.url))
+    b = await start_proxy(shared_policy(fake_upstream.url, redis_server.url))
+    await eventually(a, lambda s: s["shared"]["healthy"] is True, 2)
+    redis_server.stop()
+    for p in (a, b):
+        await eventually(p, lambda s: s["shared"]["healthy"] is False, 2)
+        async with p.session.post(
+            p.url + "/v1/chat/completions", json={**CHAT_BODY, "stream": False}
+        ) as resp:
+            assert resp.status == 200
+        async with p.session.get(p.url + "/metrics") as resp:
+            assert "brownout_shared_state_up 0.0" in await resp.text()
+    redis_server.start()
+    await eventually(a, lambda s: s["shared"]["healthy"] is True, 3)
