@@ -37,6 +37,7 @@ from proxy.conversation import (
     surely_fits,
 )
 from proxy.errors import JSON_CT, RequestRejected, error_body, error_response
+from proxy.guard import Trip
 from proxy.maintenance import last_user_text, render_json, render_stream
 from proxy.relay import StreamResult, end_with_error, has_finish_reason, relay_stream
 from proxy.rescue import continuation_body, partial_text
@@ -275,6 +276,15 @@ class Flow:
                 rt.report_failure(up, f"http_{resp.status}")
             self.last_error = (resp.status, upstream_error_body(resp.status, body), up.name)
             return None
+        if resp.status == 200 and rt.guard is not None:
+            trip = rt.guard.check_body(body)
+            if trip is not None:
+                self.guard_tripped(up, trip)
+                headers = self.response_headers(up.name)
+                self.finish(up.name, 502, self.loop.time(), outcome="guard_trip", detail=trip.rule)
+                return error_response(
+                    502, trip.message, type_="server_error", code="invalid_output", headers=headers
+                )
         rt.report_success(up)  # a 4xx is the request's fault, not the backend's
         headers = self.response_headers(up.name)
         if resp.status >= 400:
@@ -302,6 +312,7 @@ class Flow:
         headers["Content-Type"] = ctype
         headers["Cache-Control"] = "no-cache"
         headers["X-Accel-Buffering"] = "no"
+        sg = rt.guard.stream() if rt.guard is not None else None
         result = await relay_stream(
             self.request,
             resp,
@@ -310,7 +321,12 @@ class Flow:
             first_byte_deadline=deadline,
             idle_s=up.policy.timeouts.idle_s,
             keep=self.can_rescue(up) or self.session is not None,
+            guard=sg,
         )
+        if sg is not None and sg.notes:
+            for note in sg.notes:  # rules in `log` mode, dropped malformed events
+                rt.metrics.guard_notes.labels(note.rule, up.name).inc()
+                log.info("guard_note", request_id=self.rid, rule=note.rule, excerpt=note.excerpt)
         if not result.started:
             assert result.response is not None
             if result.status in _RETRYABLE_STATUS:
@@ -332,6 +348,9 @@ class Flow:
                 rt.report_success(up)
             if self.session is not None and self.endpoint == "chat":
                 await self.save_turn(self.streamed_answer(result))
+        elif result.outcome == "guard_trip":
+            self.guard_tripped(up, result.trip)
+            await end_with_error(result)
         elif result.outcome != "client_disconnect":
             rt.report_failure(up, result.outcome, result.detail)
             if not await self.rescue(up, result):
@@ -341,6 +360,21 @@ class Flow:
         self.finish_stream(up.name, result)
         assert result.client is not None
         return result.client
+
+    def guard_tripped(self, up: Upstream, trip: Trip | None) -> None:
+        """Invalid output is a backend failure: counted, logged (a short
+        excerpt only), fed to the breaker — and never saved to a session."""
+        rt = self.rt
+        rule = trip.rule if trip is not None else "unknown"
+        rt.metrics.guard_trips.labels(rule, up.name).inc()
+        log.warning(
+            "guard_trip",
+            request_id=self.rid,
+            backend=up.name,
+            rule=rule,
+            excerpt=trip.excerpt if trip is not None else "",
+        )
+        rt.report_failure(up, "invalid_output", rule)
 
     # -- rescue ------------------------------------------------------------------
 

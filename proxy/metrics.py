@@ -226,6 +226,20 @@ class Metrics:
             registry=r,
         )
 
+        self.guard_trips = Counter(
+            "brownout_guard_trips",
+            "Answers stopped by the output guard, by rule and backend.",
+            ["rule", "backend"],
+            registry=r,
+        )
+
+        self.guard_notes = Counter(
+            "brownout_guard_notes",
+            "Guard findings that did not stop the answer (rules in log mode, dropped events).",
+            ["rule", "backend"],
+            registry=r,
+        )
+
     def for_backend(self, name: str) -> BackendMetrics:
         return BackendMetrics(
             ttft=self.ttft.labels(name),

@@ -25,10 +25,20 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import error_body
-from proxy.sse import DONE_EVENT, HEARTBEAT, SSEFramer, error_events, find_line
+from proxy.guard import StreamGuard, Trip
+from proxy.sse import (
+    DONE_EVENT,
+    HEARTBEAT,
+    SSEFramer,
+    error_events,
+    error_payload,
+    find_line,
+    json_event,
+)
 
 Outcome = Literal[
     "complete",  # [DONE] (or finish_reason then EOF) seen
+    "guard_trip",  # the output guard stopped invalid output
     "upstream_error",  # the upstream sent an in-band error event
     "truncated",  # upstream closed without finishing
     "idle_timeout",
@@ -76,6 +86,7 @@ class StreamResult:
     code: str = ""  # error code for an in-band error event
     error_event: bytes = b""  # the upstream's own error event, when it sent one
     regions: list[bytes] | None = None  # what was forwarded, when asked to keep it
+    trip: Trip | None = None  # why the guard stopped the stream
 
     @property
     def started(self) -> bool:
@@ -173,6 +184,7 @@ async def relay_stream(
     idle_s: float,
     client: web.StreamResponse | None = None,
     keep: bool = False,
+    guard: StreamGuard | None = None,
 ) -> StreamResult:
     """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
 
@@ -238,7 +250,22 @@ async def relay_stream(
         pump.start_idle_watch()
         write = client.write
         saw_finish = False
+        final = False
         while True:
+            if guard is not None:
+                verdict = guard.feed_final(region) if final else guard.feed(region)
+                if verdict is not region:
+                    if isinstance(verdict, Trip):
+                        # Nothing of the offending region reaches the client.
+                        result.outcome = "guard_trip"
+                        result.trip = verdict
+                        result.code = "invalid_output"
+                        result.detail = verdict.message
+                        result.error_event = json_event(
+                            error_payload(verdict.message, "server_error", "invalid_output")
+                        )
+                        return result
+                    region = verdict  # malformed events dropped
             # Byte searches, not JSON: a region holds whole events with LF
             # line ends, and these markers can only match at a line start.
             result.events += region.count(b"\n\n")
@@ -268,9 +295,10 @@ async def relay_stream(
                     kept.append(region)
                 result.outcome = "complete"
                 return result
-            await write(region)
-            if kept is not None:
-                kept.append(region)
+            if region:  # the guard may have dropped every event of it
+                await write(region)
+                if kept is not None:
+                    kept.append(region)
             region = b""
             while not region:
                 try:
@@ -288,6 +316,7 @@ async def relay_stream(
                 if not chunk:
                     region = framer.flush()
                     if region:
+                        final = True
                         break  # a final event without its blank line
                     if saw_finish:
                         # The answer finished; only the terminator was missing.

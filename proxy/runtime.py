@@ -22,6 +22,7 @@ from prometheus_client import Counter
 from proxy.admission import Admission, Priority
 from proxy.breaker import STATE_VALUES
 from proxy.config import Policy
+from proxy.guard import Guard
 from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
@@ -78,6 +79,7 @@ class Runtime:
         self.counters: dict[str, TokenCounter] = {}
         self._estimate = EstimateTokenCounter()
         m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
+        self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None
         self.shared: SharedState | None = None
         self._applying_remote = False
         self._background: set[asyncio.Task[None]] = set()

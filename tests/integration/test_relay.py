@@ -361,7 +361,9 @@ async def test_non_streaming_is_relayed_byte_for_byte(
 
 async def test_model_rewrite(fake_upstream: FakeUpstream, start_proxy: ProxyFactory) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"ok": True})
+        return web.json_response(
+            {"object": "text_completion", "choices": [{"text": "x", "finish_reason": "stop"}]}
+        )
 
     fake_upstream.handlers["/v1/completions"] = handler
     policy = make_policy(fake_upstream.url)
