@@ -130,6 +130,18 @@ def chunk(content: str, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+# The tiny test model has random weights and a byte-level tokenizer: it emits
+# control bytes and loops by design. Tests that are not about the guard run
+# its content rules in `log` mode (tests/integration/test_guard_flow.py
+# measures what the default policy does to that output).
+RANDOM_MODEL_GUARD = """
+guard:
+  control_chars: {action: log}
+  replacement_chars: {action: log}
+  special_tokens: {action: log}
+  repetition: {action: log}
+"""
+
 NO_MAINTENANCE = "ladder:\n  maintenance:\n    enabled: false\n"
 
 CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}

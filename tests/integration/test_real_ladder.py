@@ -16,7 +16,7 @@ import pytest
 
 from tests.fallback.conftest import start_server, stop_server
 from tests.harness.vllm import VLLMServer
-from tests.integration.conftest import ProxyFactory, RunningProxy, make_policy
+from tests.integration.conftest import RANDOM_MODEL_GUARD, ProxyFactory, RunningProxy, make_policy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ faq:
 
 
 def policy_for(primary: str, fallback: str) -> Any:
-    text = make_policy(primary, fallback, extra=LADDER)
+    text = make_policy(primary, fallback, extra=LADDER + RANDOM_MODEL_GUARD)
     from dataclasses import replace
 
     b = text.backends

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.harness.vllm import VLLMServer
-from tests.integration.conftest import ProxyFactory, make_policy
+from tests.integration.conftest import RANDOM_MODEL_GUARD, ProxyFactory, make_policy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 async def test_chat_streaming_and_non_streaming_through_proxy(
     live_vllm_server: VLLMServer, start_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(make_policy(live_vllm_server.base_url))
+    proxy = await start_proxy(make_policy(live_vllm_server.base_url, extra=RANDOM_MODEL_GUARD))
     client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
     try:
         raw = await client.chat.completions.with_raw_response.create(
@@ -59,7 +59,7 @@ async def test_chat_streaming_and_non_streaming_through_proxy(
 async def test_models_and_completions_through_proxy(
     live_vllm_server: VLLMServer, start_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(make_policy(live_vllm_server.base_url))
+    proxy = await start_proxy(make_policy(live_vllm_server.base_url, extra=RANDOM_MODEL_GUARD))
     async with proxy.session.get(proxy.url + "/v1/models") as resp:
         assert resp.status == 200
         models = await resp.json()
