@@ -41,7 +41,11 @@ async def _ok_upstream(fake: FakeUpstream) -> None:
         (b'{"messages": [{"role": "user", "content": 5}]}', 400, "invalid_type"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "invalid_type"),
         (b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "invalid_type"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "invalid_type"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+            400,
+            "invalid_type",
+        ),
         (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_encoding"),
     ],
 )

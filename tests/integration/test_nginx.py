@@ -84,7 +84,9 @@ async def start_nginx(tmp_path: Path) -> AsyncIterator[Callable[[int], asyncio.F
 
 
 async def test_chunks_pass_nginx_one_by_one(
-    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, start_nginx: Callable[[int], asyncio.Future[str]]
+    fake_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    start_nginx: Callable[[int], asyncio.Future[str]],
 ) -> None:
     received = [asyncio.Event() for _ in range(5)]
 
@@ -102,9 +104,14 @@ async def test_chunks_pass_nginx_one_by_one(
     proxy = await start_proxy(make_policy(fake_upstream.url))
     proxy_port = int(proxy.url.rsplit(":", 1)[1])
     nginx_url = await start_nginx(proxy_port)
-    async with aiohttp.ClientSession() as s, s.post(
-        nginx_url + "/v1/chat/completions", json=CHAT_BODY, headers={"X-Request-Id": "via-nginx"}
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            nginx_url + "/v1/chat/completions",
+            json=CHAT_BODY,
+            headers={"X-Request-Id": "via-nginx"},
+        ) as resp,
+    ):
         assert resp.status == 200
         # nginx consumes X-Accel-Buffering; the rest of our headers pass.
         assert "X-Accel-Buffering" not in resp.headers
@@ -121,7 +128,9 @@ async def test_chunks_pass_nginx_one_by_one(
 
 
 async def test_nginx_generates_a_request_id(
-    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, start_nginx: Callable[[int], asyncio.Future[str]]
+    fake_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    start_nginx: Callable[[int], asyncio.Future[str]],
 ) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         return web.json_response({"choices": []})
@@ -129,9 +138,10 @@ async def test_nginx_generates_a_request_id(
     fake_upstream.handlers["/v1/chat/completions"] = handler
     proxy = await start_proxy(make_policy(fake_upstream.url))
     nginx_url = await start_nginx(int(proxy.url.rsplit(":", 1)[1]))
-    async with aiohttp.ClientSession() as s, s.post(
-        nginx_url + "/v1/chat/completions", json={**CHAT_BODY, "stream": False}
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(nginx_url + "/v1/chat/completions", json={**CHAT_BODY, "stream": False}) as resp,
+    ):
         assert resp.status == 200
         rid = resp.headers["X-Request-Id"]
     assert len(rid) == 32  # nginx's $request_id, echoed by Brownout

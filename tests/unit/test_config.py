@@ -86,7 +86,9 @@ def test_errors_name_the_line(text: str, expected: str) -> None:
 
 
 def test_every_error_is_reported_not_just_the_first() -> None:
-    text = "server:\n  port: x\n  bogus: 1\nbackends:\n  primary:\n    url: http://x:1\n    kind: y\n"
+    text = (
+        "server:\n  port: x\n  bogus: 1\nbackends:\n  primary:\n    url: http://x:1\n    kind: y\n"
+    )
     assert [line.split(":")[1] for line in errors(text)] == ["2", "3", "7"]
 
 
@@ -100,7 +102,10 @@ def test_policy_fields_cover_every_knob() -> None:
 def _check(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "proxy.cli", "check", str(path)],
-        capture_output=True, text=True, check=False, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,7 +103,7 @@ def test_any_framing_yields_the_same_events(
         wire += eol
     raw = wire.encode()
     bounds = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
-    pieces = [raw[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [raw[a:b] for a, b in itertools.pairwise(bounds)]
     assert feed_all(SSEParser(), pieces) == expected
 
 
@@ -141,7 +143,7 @@ def test_framer_preserves_events_under_any_framing(
         wire += eol
     raw = wire.encode()
     bounds = sorted({c % (len(raw) + 1) for c in cuts} | {0, len(raw)})
-    pieces = [raw[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [raw[a:b] for a, b in itertools.pairwise(bounds)]
     regions = frame_all(pieces)
     normalised = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     assert b"".join(regions) == normalised
