@@ -4,36 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from proxy import handlers
 from proxy.config import Policy
-from proxy.keys import RUNTIME
-from proxy.metrics import TIER_VALUES, Metrics
+from proxy.keys import STATE
+from proxy.metrics import Metrics
 from proxy.pressure import parse_vllm_metrics
-from proxy.runtime import Runtime
-from proxy.sessions import make_store
-from proxy.shared import SharedState
-from proxy.trim import HFTokenCounter
-from proxy.upstream import Upstream, running_upstream
+from proxy.state import ProxyState, watch_policy
 
 
-def create_app(policy: Policy) -> web.Application:
+def create_app(policy: Policy, clock: Callable[[], float] = time.monotonic) -> web.Application:
     # Bodies over the limit are refused while reading, before they fill memory.
     app = web.Application(client_max_size=policy.server.max_body_bytes)
-    metrics = Metrics()
-    rt = Runtime(policy=policy, metrics=metrics)
-    metrics.inflight.set_function(lambda: rt.inflight)
-    metrics.tier.set_function(lambda: TIER_VALUES[rt.tier])
-    app[RUNTIME] = rt
-    app.cleanup_ctx.append(_upstreams)
-    app.cleanup_ctx.append(_sessions)
-    app.cleanup_ctx.append(_ladder_loop)
-    app.cleanup_ctx.append(_engine_scrape)
-    app.cleanup_ctx.append(_shared_state)
+    app[STATE] = ProxyState(policy, Metrics(), clock)
+    app.cleanup_ctx.append(_state)
+    app.cleanup_ctx.append(_loops)
 
     r = app.router
     r.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -44,56 +35,43 @@ def create_app(policy: Policy) -> web.Application:
     r.add_get("/metrics", handlers.metrics)
     r.add_get("/brownout/status", handlers.status)
     r.add_post("/brownout/tier", handlers.force_tier)
+    r.add_post("/brownout/reload", handlers.reload_policy)
     return app
 
 
-async def _upstreams(app: web.Application) -> AsyncIterator[None]:
-    rt = app[RUNTIME]
-    pol = rt.policy
-    async with contextlib.AsyncExitStack() as stack:
-        for name, bp in (("primary", pol.backends.primary), ("fallback", pol.backends.fallback)):
-            if bp is None:
-                continue
-            up = await stack.enter_async_context(
-                running_upstream(
-                    name,
-                    bp,
-                    pol.ladder.breaker,
-                    rt.clock,
-                    rt.on_breaker_change,
-                    pol.ladder.failover.probe_failures,
-                )
-            )
-            rt.add_upstream(up)
-        yield
-
-
-async def _sessions(app: web.Application) -> AsyncIterator[None]:
-    """The session store, and the local tokenizers the policy names (loaded
-    off the event loop, once)."""
-    rt = app[RUNTIME]
-    rt.store = make_store(rt.policy.sessions)
-    for name, up in rt.upstreams.items():
-        if up.policy.tokenizer:
-            rt.counters[name] = await HFTokenCounter.load(up.policy.tokenizer)
+async def _state(app: web.Application) -> AsyncIterator[None]:
+    """Backends, session store, tokenizers, shared state — and their closing."""
+    state = app[STATE]
+    await state.start()
     yield
-    await rt.store.close()
+    await state.close()
 
 
-async def _ladder_loop(app: web.Application) -> AsyncIterator[None]:
+async def _loops(app: web.Application) -> AsyncIterator[None]:
+    """The background work: ladder windows, vLLM scrapes, shared state, file watch.
+    Each loop reads `state.current`, so a reload takes effect at its next turn."""
+    state = app[STATE]
+    pol = state.current.policy
+    jobs: list[Coroutine[Any, Any, None]] = [_evaluate_forever(state), _scrape_forever(state)]
+    if pol.ladder.shared.redis:
+        jobs.append(_sync_forever(state))
+    if pol.server.watch_policy:
+        jobs.append(watch_policy(state, pol.server.watch_interval_s))
+    tasks = [asyncio.create_task(j) for j in jobs]
+    yield
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+async def _evaluate_forever(state: ProxyState) -> None:
     """Evaluate the ladder every window; test open breakers with recovery probes."""
-    rt = app[RUNTIME]
-    task = asyncio.create_task(_evaluate_forever(rt), name="ladder")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-async def _evaluate_forever(rt: Runtime) -> None:
-    window = rt.policy.ladder.recovery.window_s
     while True:
-        await asyncio.sleep(window)
+        rt = state.current
+        await asyncio.sleep(rt.policy.ladder.recovery.window_s)
+        rt = state.current
         if rt.policy.ladder.failover.recovery_probe:
             for up in rt.upstreams.values():
                 b = up.breaker
@@ -106,54 +84,31 @@ async def _evaluate_forever(rt: Runtime) -> None:
         rt.evaluate(window=True)
 
 
-async def _engine_scrape(app: web.Application) -> AsyncIterator[None]:
+async def _scrape_forever(state: ProxyState) -> None:
     """Read vLLM's own load gauges from the primary's /metrics."""
-    rt = app[RUNTIME]
-    interval = rt.policy.ladder.throttle.scrape_interval_s
-    primary = rt.upstreams.get("primary")
-    if primary is None or primary.policy.kind != "vllm" or interval <= 0:
-        yield
-        return
-    task = asyncio.create_task(_scrape_forever(rt, primary, interval), name="engine-scrape")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-async def _scrape_forever(rt: Runtime, up: Upstream, interval: float) -> None:
-    url = up.base.with_path("/metrics")
-    timeout = aiohttp.ClientTimeout(total=max(0.5, interval))
     while True:
+        rt = state.current
+        interval = rt.policy.ladder.throttle.scrape_interval_s
+        up = rt.upstreams.get("primary")
+        if up is None or up.policy.kind != "vllm" or interval <= 0:
+            await asyncio.sleep(1.0)
+            continue
+        timeout = aiohttp.ClientTimeout(total=max(0.5, interval))
         try:
-            async with up.session.get(url, timeout=timeout) as resp:
+            async with up.session.get(up.base.with_path("/metrics"), timeout=timeout) as resp:
                 text = await resp.text()
             if resp.status == 200:
                 rt.pressure.update_engine(parse_vllm_metrics(text))
             else:
                 rt.pressure.engine.error = f"/metrics returned HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
-            rt.pressure.engine.error = f"{type(exc).__name__}"
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, RuntimeError) as exc:
+            rt.pressure.engine.error = type(exc).__name__
         await asyncio.sleep(interval)
 
 
-async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+async def _sync_forever(state: ProxyState) -> None:
     """Follow the other replicas' breakers and forced tier through Redis."""
-    rt = app[RUNTIME]
-    pol = rt.policy.ladder.shared
-    if not pol.redis:
-        yield
-        return
-    rt.shared = SharedState(pol)
-    task = asyncio.create_task(_sync_forever(rt, pol.interval_s), name="shared-state")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await rt.shared.close()
-
-
-async def _sync_forever(rt: Runtime, interval: float) -> None:
     while True:
+        rt = state.current
         await rt.sync_shared()
-        await asyncio.sleep(interval)
+        await asyncio.sleep(rt.policy.ladder.shared.interval_s)

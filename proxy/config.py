@@ -52,6 +52,10 @@ class ServerPolicy:
     log_prompts: bool = knob(False, "Prompts and completions reach the logs only when true.")
     log_level: Literal["debug", "info", "warning", "error"] = knob("info", "Log level.")
     shutdown_grace_s: float = knob(10.0, "Seconds in-flight requests get to finish on shutdown.")
+    watch_policy: bool = knob(
+        False, "Reload the policy when its file changes (besides SIGHUP and the API)."
+    )
+    watch_interval_s: float = knob(2.0, "How often the policy file is checked when watched.")
 
 
 @dataclass(frozen=True, slots=True)

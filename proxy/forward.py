@@ -340,6 +340,7 @@ class Flow:
         if result.outcome == "complete":
             limit = rt.policy.ladder.failover.ttft_limit_s
             ttft = (result.first_event_at or t_call) - t_call
+            rt.metrics.upstream_ttft.labels(up.name).observe(ttft)
             if up.name == "primary":
                 rt.pressure.record_ttft(ttft)
             if limit and ttft > limit:

@@ -18,7 +18,7 @@ from aiohttp import web
 from proxy.conversation import SessionContext, user_text
 from proxy.errors import RequestRejected, error_response
 from proxy.forward import Flow, upstream_headers
-from proxy.keys import RUNTIME
+from proxy.keys import STATE
 from proxy.ladder import TIERS
 from proxy.runtime import Runtime, request_id
 from proxy.sessions import SessionIdError, session_key
@@ -57,7 +57,7 @@ def _response_headers(rt: Runtime, rid: str, backend: str) -> dict[str, str]:
 
 
 async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    rt = request.app[RUNTIME]
+    rt = request.app[STATE].current
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     rid = request_id(request.headers.get("X-Request-Id"))
@@ -135,7 +135,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def passthrough(request: web.Request) -> web.StreamResponse:
     """Any other /v1/* call (models, embeddings, ...): relayed as is, to the
     first backend that can be reached."""
-    rt = request.app[RUNTIME]
+    rt = request.app[STATE].current
     rid = request_id(request.headers.get("X-Request-Id"))
     base = {"X-Request-Id": rid, "X-Brownout-Tier": rt.tier}
     try:
@@ -198,7 +198,7 @@ async def readyz(request: web.Request) -> web.Response:
     """Readiness: at least one backend passed its last probe (maintenance
     answers would still work, but a load balancer should prefer a replica
     that can reach a model)."""
-    rt = request.app[RUNTIME]
+    rt = request.app[STATE].current
     ready = any(u.health.healthy for u in rt.upstreams.values())
     body = {
         "ready": ready,
@@ -208,7 +208,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
+    rt = request.app[STATE].current
     for name, up in rt.upstreams.items():
         rt.metrics.backend_up.labels(name).set(1 if up.health.healthy else 0)
     return web.Response(
@@ -218,10 +218,20 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
-    body = rt.status()
+    body = request.app[STATE].status()
     body["version"] = _version()
     return web.json_response(body)
+
+
+async def reload_policy(request: web.Request) -> web.Response:
+    """Re-read the policy file; 200 with the changes, or 422 with FILE:LINE errors
+    (the running policy stays)."""
+    state = request.app[STATE]
+    denied = _admin_check(state.current, request)
+    if denied is not None:
+        return denied
+    result = await state.reload("api")
+    return web.json_response(result, status=200 if result["ok"] else 422)
 
 
 def _admin_check(rt: Runtime, request: web.Request) -> web.Response | None:
@@ -245,7 +255,7 @@ def _admin_check(rt: Runtime, request: web.Request) -> web.Response | None:
 
 async def force_tier(request: web.Request) -> web.Response:
     """POST {"tier": "maintenance"} forces a tier; {"tier": null} releases it."""
-    rt = request.app[RUNTIME]
+    rt = request.app[STATE].current
     denied = _admin_check(rt, request)
     if denied is not None:
         return denied

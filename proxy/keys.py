@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.runtime import Runtime
+from proxy.state import ProxyState
 
-RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
+# The running proxy; `STATE.current` is the Runtime of the live policy.
+STATE: web.AppKey[ProxyState] = web.AppKey("state", ProxyState)

@@ -50,6 +50,14 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.upstream_ttft = Histogram(
+            "brownout_upstream_ttft_seconds",
+            "Time from the upstream call to its first event: what the engine itself took "
+            "(admission queue wait excluded).",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.duration = Histogram(
             "brownout_request_duration_seconds",
             "Whole request duration as the client saw it.",
@@ -237,6 +245,17 @@ class Metrics:
             "brownout_guard_notes",
             "Guard findings that did not stop the answer (rules in log mode, dropped events).",
             ["rule", "backend"],
+            registry=r,
+        )
+
+        self.reloads = Counter(
+            "brownout_policy_reloads",
+            "Policy reloads applied.",
+            registry=r,
+        )
+        self.reload_failures = Counter(
+            "brownout_policy_reload_failures",
+            "Policy reloads rejected (the running policy stayed).",
             registry=r,
         )
 

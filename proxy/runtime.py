@@ -87,6 +87,25 @@ class Runtime:
             lambda: 1 if self.shared is not None and self.shared.healthy else 0
         )
 
+    def adopt(self, prev: Runtime) -> None:
+        """Carry what the previous generation learnt across a policy reload."""
+        new, old = self.ladder, prev.ladder
+        new.tier, new.forced, new.entered_at = old.tier, old.forced, old.entered_at
+        new.healthy_streak, new.last_detail, new.history = (
+            old.healthy_streak,
+            old.last_detail,
+            old.history,
+        )
+        if old.ramp is not None and old.ramp.step < len(new.policy.ramp):
+            new.ramp = old.ramp
+        throttle = self.policy.ladder.throttle
+        self.admission = prev.admission
+        self.admission.policy = throttle
+        if prev.policy.ladder.throttle.max_inflight != throttle.max_inflight:
+            self.admission.set_limit(throttle.max_inflight)
+        self.pressure = prev.pressure
+        self.pressure.policy = throttle
+
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Fire-and-forget work (shared-state writes) that must not delay a request."""
         task = asyncio.get_running_loop().create_task(coro)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import structlog
 from aiohttp import web
 
 from proxy.app import create_app
 from proxy.config import Policy
+from proxy.keys import STATE
 from proxy.logs import configure_logging
 
 
@@ -36,8 +38,10 @@ def run(policy: Policy, host: str | None = None, port: int | None = None) -> Non
     )
     loop = _new_loop()
     asyncio.set_event_loop(loop)
+    app = create_app(policy)
+    app.on_startup.append(_reload_on_sighup)
     web.run_app(
-        create_app(policy),
+        app,
         host=host,
         port=port,
         loop=loop,
@@ -48,3 +52,17 @@ def run(policy: Policy, host: str | None = None, port: int | None = None) -> Non
         shutdown_timeout=policy.server.shutdown_grace_s,
         print=None,
     )
+
+
+async def _reload_on_sighup(app: web.Application) -> None:
+    """`kill -HUP` re-reads the policy, like nginx."""
+    state = app[STATE]
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task[object]] = set()
+
+    def on_hup() -> None:
+        task: asyncio.Task[object] = loop.create_task(state.reload("sighup"))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -85,6 +85,7 @@ class Upstream:
     # Discovered from /v1/models unless the policy sets them.
     served_model: str | None = None
     max_model_len: int | None = None
+    probe_task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         base = URL(self.policy.url.rstrip("/"))
@@ -198,6 +199,14 @@ class Upstream:
             return f"trial completion failed: {type(exc).__name__}"
         return None
 
+    async def close(self) -> None:
+        task = self.probe_task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.session.close()
+
     async def probe_forever(self) -> None:
         while True:
             await self.probe()
@@ -225,24 +234,17 @@ def make_session(policy: BackendPolicy) -> aiohttp.ClientSession:
     )
 
 
-@contextlib.asynccontextmanager
-async def running_upstream(
+def open_upstream(
     name: str,
     policy: BackendPolicy,
     breaker_policy: BreakerPolicy,
     clock: Callable[[], float],
     on_breaker_change: Callable[[str, str, str, str], None],
     probe_failures: int,
-) -> AsyncIterator[Upstream]:
-    """An upstream with its session and probe task, torn down on exit."""
+) -> Upstream:
+    """An upstream with its session and its probe task running (call `close`)."""
     session = make_session(policy)
     breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
     upstream = Upstream(name, policy, session, breaker, probe_failures)
-    task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
-    try:
-        yield upstream
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await session.close()
+    upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
+    return upstream
