@@ -548,6 +548,11 @@ class Flow:
                 low_water=tp.low_water,
             )
         except ContextTooLong as exc:
+            answer = mt if isinstance(mt, int) else tp.default_max_tokens
+            if exc.prompt_tokens + answer <= window:
+                # Nothing to drop, and it fits without our safety margin:
+                # the backend is the judge.
+                return None
             raise RequestRejected(
                 400,
                 f"{exc} (backend {up.name}, max_model_len {window})",

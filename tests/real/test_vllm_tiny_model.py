@@ -153,6 +153,9 @@ def test_sigstop_worker_stalls_until_sigcont(live_vllm_server: VLLMServer) -> No
 
 def test_killing_the_worker_errors_the_stream_then_restart(live_vllm_server: VLLMServer) -> None:
     client = OpenAI(base_url=live_vllm_server.openai_base_url, api_key="unused", max_retries=0)
+    # Found before the stream starts: a /proc scan under load can outlast a
+    # whole 900-token answer.
+    [worker] = live_vllm_server.engine_pids()["VLLM::Worker"]
     stream = client.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
@@ -162,7 +165,6 @@ def test_killing_the_worker_errors_the_stream_then_restart(live_vllm_server: VLL
     )
     first = next(iter(stream))
     assert first.choices
-    [worker] = live_vllm_server.engine_pids()["VLLM::Worker"]
     os.kill(worker, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="EngineCore encountered an issue"):
         for _ in stream:
