@@ -28,6 +28,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from proxy.config import PolicyError, load_policy
 
+    if args.diff:
+        from proxy.state import policy_diff
+
+        try:
+            old, new = load_policy(args.file), load_policy(args.diff)
+        except PolicyError as exc:
+            for line in exc.lines():
+                print(line, file=sys.stderr)
+            return 1
+        changes = policy_diff(old, new)
+        for line in changes:
+            print(line)
+        if not changes:
+            print("no changes")
+        return 0
     try:
         load_policy(args.file)
     except PolicyError as exc:
@@ -62,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="override server.port")
     serve.set_defaults(func=_cmd_serve)
 
-    check = sub.add_parser("check", help="validate a policy file")
-    check.add_argument("file")
+    check = sub.add_parser(
+        "check", help="validate a policy file (with --diff: what a reload to NEW would change)"
+    )
+    check.add_argument("file", help="the policy (OLD with --diff)")
+    check.add_argument("--diff", metavar="NEW", default=None, help="compare FILE with NEW")
     check.set_defaults(func=_cmd_check)
 
     fb = sub.add_parser("fallback-server", help="run the Transformers OpenAI-compatible server")
