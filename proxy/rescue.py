@@ -11,14 +11,44 @@ accept); for completions, it is appended to the prompt.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 from proxy.sse import SSEParser
 
+# The content string literals of chat chunks and of completions. Inside a JSON
+# string every `"` is escaped, so `"content":"` only matches a real key.
+_LITERAL = rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"'
+_CONTENT_RE = re.compile(rb'"content":' + _LITERAL)
+_TEXT_RE = re.compile(rb'"text":' + _LITERAL)
+# The C scanner behind json.loads for one string literal.
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
 
 def partial_text(regions: list[bytes], endpoint: str) -> tuple[str, int]:
     """The answer text forwarded so far and the number of content chunks
-    (≈ tokens: vLLM and the fallback send one token per chunk)."""
+    (≈ tokens: vLLM and the fallback send one token per chunk).
+
+    Fast path (a whole 1,024-chunk answer in well under a millisecond): when
+    every event is a single-choice chunk, the content literals are cut out
+    with one regex and decoded at once; anything else is parsed event by event.
+    """
+    blob = b"".join(regions)
+    k = blob.count(b'"choices":[{"index":0,') or blob.count(b'"choices": [{"index": 0, ')
+    if k and blob.count(b'"index":') == k:
+        literals = (_CONTENT_RE if endpoint == "chat" else _TEXT_RE).findall(blob)
+        raw = b"".join(literals)
+        try:
+            text = raw.decode() if b"\\" not in raw else _scanstring(raw.decode() + '"', 0)[0]
+        except ValueError:
+            pass
+        else:
+            return text, sum(1 for lit in literals if lit)
+    return _partial_text_slow(regions, endpoint)
+
+
+def _partial_text_slow(regions: list[bytes], endpoint: str) -> tuple[str, int]:
     parser = SSEParser()
     parts: list[str] = []
     chunks = 0

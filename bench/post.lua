@@ -1,0 +1,26 @@
+-- wrk script: POST an OpenAI streaming chat request.
+-- BENCH_AUTH adds an Authorization header (LiteLLM needs its master key);
+-- BENCH_SESSIONS=1 sends a fresh X-Session-Id per request (session load +
+-- save on every request, the worst case for the store).
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local auth = os.getenv("BENCH_AUTH")
+if auth and auth ~= "" then
+  wrk.headers["Authorization"] = "Bearer " .. auth
+end
+wrk.body = '{"model":"tiny","stream":true,"max_tokens":16,'
+  .. '"messages":[{"role":"user","content":"Hello there, how are you?"}]}'
+local sessions = os.getenv("BENCH_SESSIONS") == "1"
+local counter = 0
+
+function setup(thread)
+  thread:set("tid", tostring(math.random(1, 1000000000)))
+end
+
+request = function()
+  if sessions then
+    counter = counter + 1
+    wrk.headers["X-Session-Id"] = "bench-" .. tid .. "-" .. counter
+  end
+  return wrk.format()
+end
