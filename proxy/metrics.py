@@ -228,6 +228,11 @@ class Metrics:
             registry=r,
         )
 
+        self.shared_configured = Gauge(
+            "brownout_shared_state_configured",
+            "1 when the policy shares ladder state across replicas (ladder.shared.redis).",
+            registry=r,
+        )
         self.shared_up = Gauge(
             "brownout_shared_state_up",
             "1 while the replicas' shared state (Redis) answers; 0 = local state only.",

@@ -86,6 +86,7 @@ class Runtime:
         m.shared_up.set_function(
             lambda: 1 if self.shared is not None and self.shared.healthy else 0
         )
+        m.shared_configured.set_function(lambda: 1 if pol.ladder.shared.redis else 0)
 
     def adopt(self, prev: Runtime) -> None:
         """Carry what the previous generation learnt across a policy reload."""
