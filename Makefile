@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: setup run test lint typecheck unit vllm-venv clean
+.PHONY: setup run test lint typecheck unit vllm-venv bench chaos litellm-venv clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,25 @@ test: setup vllm-venv lint typecheck
 
 unit: setup
 	$(VENV)/bin/pytest -q tests/unit
+
+# Benchmarks against nginx, a bare aiohttp relay and LiteLLM (needs wrk; the
+# LiteLLM proxy lives in its own cached venv). Writes bench/results/latest.md.
+LITELLM_VENV ?= $(HOME)/.cache/brownout/litellm-venv
+litellm-venv:
+	test -x $(LITELLM_VENV)/bin/python || ( $(PYTHON) -m venv $(LITELLM_VENV).tmp && \
+	  $(LITELLM_VENV).tmp/bin/python -m pip install -q 'litellm[proxy]' && \
+	  mv $(LITELLM_VENV).tmp $(LITELLM_VENV) )
+
+bench: setup vllm-venv litellm-venv
+	command -v wrk >/dev/null || apt-get install -y -q wrk
+	$(PY) -m pip install -q matplotlib
+	$(PY) bench/run.py
+	$(PY) bench/overhead.py
+	$(PY) bench/guard_bench.py
+
+# The long chaos drills against the real stack. Writes bench/results/chaos.md.
+chaos: setup vllm-venv
+	$(PY) bench/chaos.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
