@@ -88,7 +88,9 @@ http {{
     )
 
 
-def start_nginx_proxy(tmp: Path, port: int, upstream_port: int, prefix: str) -> subprocess.Popen[bytes]:
+def start_nginx_proxy(
+    tmp: Path, port: int, upstream_port: int, prefix: str
+) -> subprocess.Popen[bytes]:
     """nginx as a reverse proxy, configured like nginx/brownout.conf (buffering off)."""
     conf = tmp / f"proxy-{prefix}.conf"
     conf.write_text(

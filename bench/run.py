@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     ROOT,
     cpu_seconds,
     free_port,
@@ -47,6 +47,20 @@ LITELLM_VENV = Path(
     os.environ.get("BROWNOUT_LITELLM_VENV", Path.home() / ".cache/brownout/litellm-venv")
 )
 RESULTS = ROOT / "bench" / "results"
+LITELLM_ENV = {"LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+def serve_cmd(policy: Path, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "proxy.cli",
+        "serve",
+        "--config",
+        str(policy),
+        "--port",
+        str(port),
+    ]
 
 
 @dataclass
@@ -210,18 +224,24 @@ def main() -> int:
                  f"http://127.0.0.1:{up_port}/{kind}", str(bare)],
             )  # fmt: skip
             procs.append(p)
-            paths.append(Path_("bare aiohttp", f"http://127.0.0.1:{bare}/v1/chat/completions", p.pid))
+            paths.append(
+                Path_("bare aiohttp", f"http://127.0.0.1:{bare}/v1/chat/completions", p.pid)
+            )
             for name, sessions in (("brownout", False), ("brownout+redis sessions", True)):
                 port = free_port()
-                pol = brownout_policy(tmp, f"http://127.0.0.1:{up_port}/{kind}", kind + name[-3:], sessions)
+                pol = brownout_policy(
+                    tmp, f"http://127.0.0.1:{up_port}/{kind}", kind + name[-3:], sessions
+                )
                 p = subprocess.Popen(
-                    [sys.executable, "-m", "proxy.cli", "serve", "--config", str(pol), "--port", str(port)],
+                    serve_cmd(pol, port),
                     stderr=subprocess.DEVNULL,
                     cwd=ROOT,
                 )  # fmt: skip
                 procs.append(p)
                 env = {"BENCH_SESSIONS": "1"} if sessions else {}
-                paths.append(Path_(name, f"http://127.0.0.1:{port}/v1/chat/completions", p.pid, env))
+                paths.append(
+                    Path_(name, f"http://127.0.0.1:{port}/v1/chat/completions", p.pid, env)
+                )
             if (LITELLM_VENV / "bin" / "python").exists():
                 port = free_port()
                 cfg = tmp / f"litellm-{kind}.yaml"
@@ -243,7 +263,7 @@ litellm_settings:
                      "--config", str(cfg), "--port", str(port),
                      "--host", "127.0.0.1", "--num_workers", "1"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    env={**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                    env={**os.environ, **LITELLM_ENV},
                 )  # fmt: skip
                 procs.append(p)
                 paths.append(
@@ -263,9 +283,12 @@ litellm_settings:
                 for path in paths:  # interleaved: every path at this load, in turn
                     s = run_wrk(path, conc, duration)
                     res.setdefault(path.name, {})[conc] = s
-                    print(f"{kind:5} c={conc:<3} {path.name:24} {s.rps:9.0f} req/s "
-                          f"p50 {s.p50_ms:7.2f} ms p99 {s.p99_ms:7.2f} ms "
-                          f"cpu/1k {s.cpu_per_1k or 0:6.3f} s errors {s.errors}", flush=True)  # fmt: skip
+                    print(
+                        f"{kind:5} c={conc:<3} {path.name:24} {s.rps:9.0f} req/s "
+                        f"p50 {s.p50_ms:7.2f} ms p99 {s.p99_ms:7.2f} ms "
+                        f"cpu/1k {s.cpu_per_1k or 0:6.3f} s errors {s.errors}",
+                        flush=True,
+                    )
             for path in paths:
                 if path.pid:
                     extra[f"peak RSS {kind} {path.name}"] = (
@@ -276,7 +299,7 @@ litellm_settings:
                 port = free_port()
                 pol = brownout_policy(tmp, f"http://127.0.0.1:{up_port}/slow", "slow", False)
                 p = subprocess.Popen(
-                    [sys.executable, "-m", "proxy.cli", "serve", "--config", str(pol), "--port", str(port)],
+                    serve_cmd(pol, port),
                     stderr=subprocess.DEVNULL, cwd=ROOT,
                 )  # fmt: skip
                 procs.append(p)
@@ -336,33 +359,31 @@ def write_report(
         bo = res.get("brownout", {})
         bare = res.get("bare aiohttp", {})
         ratios = []
+
+        def best(per: dict[int, Sample]) -> float:
+            return max(s.rps for s in per.values())
+
         if bo and bare:
-            best_bo = max(s.rps for s in bo.values())
-            best_bare = max(s.rps for s in bare.values())
-            ratios.append(f"Brownout / bare relay, best req/s: **{best_bo / best_bare:.0%}**")
+            ratios.append(f"Brownout / bare relay, best req/s: **{best(bo) / best(bare):.0%}**")
             if 1 in bo and 1 in bare and 1 in res.get("direct", {}):
                 d = res["direct"][1].p50_ms
-                ab = bo[1].p50_ms - d
-                ar = bare[1].p50_ms - d
+                ab, ar = bo[1].p50_ms - d, bare[1].p50_ms - d
                 ratios.append(f"added latency at c=1, Brownout / bare relay: **{ab / ar:.2f}×**")
         bs = res.get("brownout+redis sessions", {})
         if bs and bare:
             ratios.append(
-                "Brownout with Redis sessions / bare relay, best req/s: "
-                f"**{max(s.rps for s in bs.values()) / max(s.rps for s in bare.values()):.0%}**"
+                f"Brownout with Redis sessions / bare relay, best req/s: "
+                f"**{best(bs) / best(bare):.0%}**"
             )
         ng = res.get("nginx", {})
         if bo and ng:
-            ratios.append(
-                f"Brownout / nginx, best req/s: {max(s.rps for s in bo.values()) / max(s.rps for s in ng.values()):.0%}"
-            )
+            ratios.append(f"Brownout / nginx, best req/s: {best(bo) / best(ng):.0%}")
         ll = res.get("litellm", {})
         if bo and ll:
-            ratios.append(
-                f"Brownout / LiteLLM, best req/s: **{max(s.rps for s in bo.values()) / max(s.rps for s in ll.values()):.1f}×**"
-            )
+            ratios.append(f"Brownout / LiteLLM, best req/s: **{best(bo) / best(ll):.1f}×**")
         if bo and sat in bo:
-            ratios.append(f"relay throughput at c={sat}: {bo[sat].rps * (chunks + 1):,.0f} events/s")
+            events = bo[sat].rps * (chunks + 1)
+            ratios.append(f"relay throughput at c={sat}: {events:,.0f} events/s")
         lines += [""] + [f"- {r}" for r in ratios] + [""]
     lines += ["## Other figures", ""] + [f"- {k}: {v}" for k, v in extra.items()] + [""]
     (RESULTS / "latest.md").write_text("\n".join(lines))

@@ -550,9 +550,12 @@ class Flow:
         except ContextTooLong as exc:
             answer = mt if isinstance(mt, int) else tp.default_max_tokens
             if exc.prompt_tokens + answer <= window:
-                # Nothing to drop, and it fits without our safety margin:
-                # the backend is the judge.
-                return None
+                # What cannot be dropped fits without our safety margin: send
+                # that (all history dropped) and let the backend judge.
+                if not exc.messages or len(exc.messages) == len(messages):
+                    return None
+                rt.metrics.trimmed.labels(up.name).inc()
+                return [dict(m) for m in exc.messages]
             raise RequestRejected(
                 400,
                 f"{exc} (backend {up.name}, max_model_len {window})",

@@ -117,7 +117,7 @@ def _session_context(
     if text is None:
         return error_response(
             400,
-            "a session request must end with a user message holding text",
+            "a session request must contain a user message with text (the new question)",
             code="invalid_session",
             param="messages",
         )

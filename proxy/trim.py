@@ -92,9 +92,13 @@ class TrimPolicy:
 class ContextTooLong(Exception):
     """The parts that are never dropped (system prompt + current question) exceed the budget."""
 
-    def __init__(self, prompt_tokens: int, budget_tokens: int) -> None:
+    def __init__(
+        self, prompt_tokens: int, budget_tokens: int, messages: Sequence[Message] = ()
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.budget_tokens = budget_tokens
+        # What is left after dropping every turn (system prompt + question).
+        self.messages = list(messages)
         super().__init__(
             f"the prompt needs {prompt_tokens} tokens without any history, "
             f"but only {budget_tokens} fit in the context window"
@@ -498,7 +502,7 @@ async def trim(
     # further turns to cover the excess and count again (rare; see docstring).
     while tokens > budget_tokens:
         if cut >= len(groups):
-            raise ContextTooLong(tokens, budget_tokens)
+            raise ContextTooLong(tokens, budget_tokens, kept)
         freed = 0
         while cut < len(groups) and freed < tokens - budget_tokens:
             freed += turn_tokens[cut]
