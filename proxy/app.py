@@ -17,6 +17,7 @@ from proxy.keys import STATE
 from proxy.metrics import Metrics
 from proxy.pressure import parse_vllm_metrics
 from proxy.state import ProxyState, watch_policy
+from proxy.statuspage import setup_status_page
 
 
 def create_app(policy: Policy, clock: Callable[[], float] = time.monotonic) -> web.Application:
@@ -36,6 +37,7 @@ def create_app(policy: Policy, clock: Callable[[], float] = time.monotonic) -> w
     r.add_get("/brownout/status", handlers.status)
     r.add_post("/brownout/tier", handlers.force_tier)
     r.add_post("/brownout/reload", handlers.reload_policy)
+    setup_status_page(app)
     return app
 
 

@@ -1,0 +1,206 @@
+"""The status page in a real headless Chromium (Debian's `chromium` package):
+it loads, goes live over SSE, follows tier changes made through the API and
+through its own admin form without a reload, and reconnects after a restart.
+
+The screenshot is kept as `test-artifacts/status-page.png`; it is copied to
+`docs/status-page.png` (the README's picture) when that file is missing or
+when `BROWNOUT_UPDATE_SCREENSHOT=1`, so a test run does not dirty the tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.statuspage.cdp import Page, chromium, find_chromium
+from tests.statuspage.conftest import (
+    ADMIN_TOKEN,
+    FakeLLM,
+    StatusProxy,
+    start_status_proxy,
+    status_policy,
+)
+
+pytestmark = pytest.mark.real
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACT = ROOT / "test-artifacts" / "status-page.png"
+DOCS_SHOT = ROOT / "docs" / "status-page.png"
+
+TIER = "document.getElementById('tier').textContent"
+CONN = "document.getElementById('conn').textContent"
+
+
+@contextlib.asynccontextmanager
+async def browser_page(tmp_path: Path) -> AsyncIterator[Page]:
+    """Headless Chromium's page. A missing browser fails the test (in its call
+    phase, so it reads FAILED, not skipped and not a setup error)."""
+    exe = find_chromium()
+    if exe is None:
+        pytest.fail(
+            "chromium is not installed: the status-page test needs a real browser. "
+            "Install Debian's package (`apt-get update && apt-get install -y chromium`; "
+            ".ci/run does it when missing) or point BROWNOUT_CHROMIUM at a Chromium binary."
+        )
+    async with chromium(exe, tmp_path / "chromium-profile") as p:
+        try:
+            yield p
+        except BaseException:
+            # What the page looked like when the test failed.
+            with contextlib.suppress(Exception):
+                await p.screenshot(ARTIFACT.with_name("status-page-failure.png"))
+            raise
+
+
+async def _traffic(proxy: StatusProxy, stop: asyncio.Event) -> None:
+    """A light, uneven chat load, so the chart has something to show."""
+    while not stop.is_set():
+        await asyncio.gather(*(proxy.chat() for _ in range(random.randint(1, 4))))
+        await asyncio.sleep(random.uniform(0.0, 0.2))
+
+
+async def test_status_page_follows_tier_changes_live(
+    tmp_path: Path,
+    llm: FakeLLM,
+    llm_fallback: FakeLLM,
+    status_proxies: list[StatusProxy],
+) -> None:
+    async with browser_page(tmp_path) as page:
+        proxy = await start_status_proxy(
+            status_proxies, status_policy(llm.url, llm_fallback.url), interval_s=0.5
+        )
+        # The bare path redirects; the page then goes live from its first event.
+        await page.navigate(proxy.url + "/brownout")
+        assert await page.evaluate("location.pathname") == "/brownout/"
+        await page.wait_text("#conn", lambda t: t == "live", "the stream to connect")
+        await page.wait_text("#tier", lambda t: t == "normal", "the tier badge to say normal")
+        await page.wait_for(
+            "document.querySelectorAll('#backends tr').length",
+            lambda n: n == 2,
+            "both backends in the table",
+        )
+        await page.wait_text(
+            "#backend-primary",
+            lambda t: "8192" in t and "healthy" in t,
+            "the primary's model facts",
+        )
+        assert "fallback" in await page.text("#backends")
+        assert await page.text("#limit") == "16"
+
+        stop = asyncio.Event()
+        load = asyncio.create_task(_traffic(proxy, stop))
+        try:
+            await page.wait_for(
+                "+document.getElementById('last-rps').textContent || 0",
+                lambda v: v > 0,
+                "requests/s on the chart",
+                within=5.0,
+            )
+            await asyncio.sleep(6)  # a chart worth a screenshot
+
+            # 1. Forced through the API: the badge follows without a reload.
+            marker = await page.evaluate("window.__sameDocument = 1")
+            assert marker == 1
+            t0 = time.monotonic()
+            await proxy.force("maintenance")
+            _, waited = await page.wait_text(
+                "#tier", lambda t: t == "maintenance", "maintenance after the API call", within=3.0
+            )
+            assert waited < 2.0, f"the page took {waited:.2f}s to show the new tier"
+            assert time.monotonic() - t0 < 3.0
+            assert await page.evaluate("window.__sameDocument") == 1, "the page was reloaded"
+            assert await page.evaluate("document.getElementById('tier-forced').hidden") is False
+            assert await page.evaluate(
+                "document.getElementById('tier-card').classList.contains('t-maintenance')"
+            )
+            timeline = await page.text("#timeline li:first-child")
+            assert "normal" in timeline and "maintenance" in timeline and "forced" in timeline
+
+            # 2. A wrong token is refused, and the page says so.
+            await page.type_into("#admin-token", "not-the-token")
+            await page.click("#release-btn")
+            result, _ = await page.wait_text("#admin-result", lambda t: "401" in t, "the 401")
+            assert "wrong admin token" in result
+            assert await page.text("#tier") == "maintenance"
+
+            # 3. Released from the page's own form: the ladder steps back down to normal.
+            await page.type_into("#admin-token", ADMIN_TOKEN)
+            await page.click("#release-btn")
+            await page.wait_text("#admin-result", lambda t: t.startswith("Released"), "release ok")
+            await page.wait_text("#tier", lambda t: t == "normal", "normal again", within=10.0)
+            assert await page.evaluate("document.getElementById('tier-forced').hidden") is True
+
+            # 4. Forced from the page's own form.
+            await page.evaluate(
+                "(() => { const s = document.getElementById('admin-tier');"
+                " s.value = 'maintenance'; s.dispatchEvent(new Event('change')); })()"
+            )
+            assert await page.text("#force-btn") == "Force maintenance"
+            await page.click("#force-btn")
+            _, waited = await page.wait_text(
+                "#tier", lambda t: t == "maintenance", "maintenance from the form", within=3.0
+            )
+            assert waited < 2.0
+            assert (await page.text("#admin-result")).startswith("Forced maintenance")
+            st = await proxy.status()
+            assert st["tier"] == "maintenance"
+            assert st["ladder"]["forced"] == "maintenance"  # type: ignore[index]
+            # The token stays in this tab only.
+            token = "sessionStorage.getItem('brownout.admin_token')"
+            assert await page.evaluate(token) == ADMIN_TOKEN
+            assert await page.evaluate("localStorage.length") == 0
+
+            await asyncio.sleep(2.5)  # a few more points on the chart after the change
+        finally:
+            stop.set()
+            await load
+
+        edges = await page.evaluate(
+            "[...document.querySelectorAll('#timeline li .edge')].map(e => e.textContent)"
+        )
+        assert len(edges) >= 4, edges
+        drawn = await page.evaluate(
+            "document.querySelectorAll('#chart-ttft path.line, #chart-rps path.line').length"
+        )
+        assert drawn >= 3, "TTFT and throughput lines are drawn"
+        assert await page.evaluate("window.__sameDocument") == 1
+        # The one error the console may show is the refused wrong token (step 2).
+        unexpected = [p for p in page.problems if "status of 401" not in p]
+        assert unexpected == [], unexpected
+
+        await page.evaluate("document.activeElement && document.activeElement.blur()")
+        await page.screenshot(ARTIFACT)
+        assert ARTIFACT.stat().st_size > 20_000
+        if not DOCS_SHOT.exists() or os.environ.get("BROWNOUT_UPDATE_SCREENSHOT") == "1":
+            shutil.copyfile(ARTIFACT, DOCS_SHOT)
+
+
+async def test_status_page_shows_disconnected_and_reconnects(
+    tmp_path: Path, llm: FakeLLM, status_proxies: list[StatusProxy]
+) -> None:
+    async with browser_page(tmp_path) as page:
+        proxy = await start_status_proxy(status_proxies, status_policy(llm.url), interval_s=0.5)
+        await page.navigate(proxy.url + "/brownout/")
+        await page.wait_text("#conn", lambda t: t == "live", "the stream to connect")
+        await proxy.force("throttle")
+        await page.wait_text("#tier", lambda t: t == "throttle", "throttle")
+
+        await proxy.stop()
+        await page.wait_text("#conn", lambda t: t.startswith("disconnected"), "disconnected")
+        assert await page.evaluate("document.body.classList.contains('stale')")
+        assert await page.evaluate("document.getElementById('stale-banner').hidden") is False
+        assert await page.text("#tier") == "throttle", "the last known state stays, marked stale"
+
+        await proxy.start()  # same port, fresh state
+        await page.wait_text("#conn", lambda t: t == "live", "reconnected", within=10.0)
+        await page.wait_text("#tier", lambda t: t == "normal", "the new process's tier")
+        assert not await page.evaluate("document.body.classList.contains('stale')")
+        assert page.problems == [], page.problems
