@@ -109,8 +109,10 @@ async def test_engine_death_recovery_and_maintenance(
                     for ch in c.choices:
                         text.append(ch.delta.content or "")
                         finish = ch.finish_reason or finish
-                    if len(text) >= 10:
-                        started[i].set()
+                    # Kill as soon as every stream has begun: the client reads
+                    # slower than vLLM writes, so waiting longer on its
+                    # progress could find the answers already generated.
+                    started[i].set()
                 started[i].set()
                 return ("complete" if finish else "truncated", "".join(text))
             except openai.APIError as exc:
@@ -118,7 +120,8 @@ async def test_engine_death_recovery_and_maintenance(
                 return ("error", str(exc))
 
         async with asyncio.timeout(120):  # nobody hangs
-            engine = live_vllm_server.engine_pids()["VLLM::EngineCore"]
+            pids = live_vllm_server.engine_pids()
+            engine = pids["VLLM::EngineCore"] + pids["VLLM::Worker"]
             assert engine
             tasks = [asyncio.create_task(one(i)) for i in range(6)]
             await asyncio.gather(*(e.wait() for e in started))
