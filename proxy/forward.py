@@ -37,7 +37,7 @@ from proxy.conversation import (
     surely_fits,
 )
 from proxy.errors import JSON_CT, RequestRejected, error_body, error_response
-from proxy.guard import Trip
+from proxy.guard import StreamGuard, Trip
 from proxy.maintenance import last_user_text, render_json, render_stream
 from proxy.relay import StreamResult, end_with_error, has_finish_reason, relay_stream
 from proxy.rescue import continuation_body, partial_text
@@ -323,10 +323,6 @@ class Flow:
             keep=self.can_rescue(up) or self.session is not None,
             guard=sg,
         )
-        if sg is not None and sg.notes:
-            for note in sg.notes:  # rules in `log` mode, dropped malformed events
-                rt.metrics.guard_notes.labels(note.rule, up.name).inc()
-                log.info("guard_note", request_id=self.rid, rule=note.rule, excerpt=note.excerpt)
         if not result.started:
             assert result.response is not None
             if result.status in _RETRYABLE_STATUS:
@@ -354,10 +350,15 @@ class Flow:
             await end_with_error(result)
         elif result.outcome != "client_disconnect":
             rt.report_failure(up, result.outcome, result.detail)
-            if not await self.rescue(up, result):
+            if not await self.rescue(up, result, sg):
                 await end_with_error(result)
             elif self.rescued and self.session is not None:
                 await self.save_turn(self.streamed_answer(result))
+        if sg is not None and sg.notes:
+            # Rules in `log` mode and dropped malformed events (rescue included).
+            for note in sg.notes:
+                rt.metrics.guard_notes.labels(note.rule, up.name).inc()
+                log.info("guard_note", request_id=self.rid, rule=note.rule, excerpt=note.excerpt)
         self.finish_stream(up.name, result)
         assert result.client is not None
         return result.client
@@ -388,7 +389,9 @@ class Flow:
             and fb.supports_continuation
         )
 
-    async def rescue(self, up: Upstream, result: StreamResult) -> bool:
+    async def rescue(
+        self, up: Upstream, result: StreamResult, guard: StreamGuard | None = None
+    ) -> bool:
         """Continue a dead stream on the fallback. True when the stream was
         ended here (rescued, or failed with its own error event)."""
         rt = self.rt
@@ -400,12 +403,14 @@ class Flow:
             return False
         before = fb.breaker.outcomes
         try:
-            return await self._rescue_on(fb, up, result)
+            return await self._rescue_on(fb, up, result, guard)
         finally:
             if fb.breaker.outcomes == before:
                 fb.breaker.release_trial()
 
-    async def _rescue_on(self, fb: Upstream, up: Upstream, result: StreamResult) -> bool:
+    async def _rescue_on(
+        self, fb: Upstream, up: Upstream, result: StreamResult, guard: StreamGuard | None
+    ) -> bool:
         rt = self.rt
         partial, produced = partial_text(result.regions or [], self.endpoint)
         body = continuation_body(await self.adapted(fb), partial, produced, self.endpoint)
@@ -453,6 +458,7 @@ class Flow:
                 idle_s=fb.policy.timeouts.idle_s,
                 client=client,
                 keep=True,
+                guard=guard,
             )
         finally:
             if resp.content.is_eof():
@@ -472,7 +478,10 @@ class Flow:
         if more.outcome == "client_disconnect":
             result.outcome = "client_disconnect"
             return True
-        rt.report_failure(fb, more.outcome, more.detail)
+        if more.outcome == "guard_trip":
+            self.guard_tripped(fb, more.trip)
+        else:
+            rt.report_failure(fb, more.outcome, more.detail)
         rt.metrics.rescues.labels("failed").inc()
         await end_with_error(more)
         result.outcome = more.outcome

@@ -188,6 +188,8 @@ class Trip:
     rule: RuleName
     message: str
     excerpt: str
+    # Whole events of the region before the offending one: valid, to forward.
+    prefix: bytes = b""
 
 
 GuardVerdict: TypeAlias = bytes | Trip
@@ -373,6 +375,19 @@ class _Choice:
         self.fffd: deque[int] | None = None  # positions of recent U+FFFD
 
 
+def _copy_choice(c: _Choice) -> _Choice:
+    n = _Choice.__new__(_Choice)
+    n.total, n.edge, n.tail, n.next_rep = c.total, c.edge, c.tail, c.next_rep
+    n.pending = list(c.pending)
+    n.fffd = None if c.fffd is None else deque(c.fffd, maxlen=c.fffd.maxlen)
+    return n
+
+
+_Snapshot: TypeAlias = tuple[
+    _Choice, "dict[int, _Choice] | None", int, int, "re.Pattern[bytes] | None"
+]
+
+
 class StreamGuard:
     """The guard's state for one streamed response; feed it every region."""
 
@@ -389,9 +404,46 @@ class StreamGuard:
         relay drains it."""
 
     def feed(self, region: bytes) -> GuardVerdict:
-        """Check one region of whole events; see the module docstring."""
+        """Check one region of whole events; see the module docstring.
+
+        A region of several events that trips is checked again event by event
+        from the state before it, so the valid events ahead of the offending
+        one still reach the client (`Trip.prefix`).
+        """
         if not self._g.active:
             return region
+        if region.count(b"\n\n") < 2:
+            return self._feed(region)
+        snap = self._snapshot()
+        verdict = self._feed(region)
+        if not isinstance(verdict, Trip):
+            return verdict
+        self._restore(snap)
+        kept: list[bytes] = []
+        parser = SSEParser()
+        for ev in parser.feed(region) + parser.flush():
+            v = self._feed(ev.raw)
+            if isinstance(v, Trip):
+                return Trip(v.rule, v.message, v.excerpt, b"".join(kept))
+            kept.append(v)
+        return verdict
+
+    def _snapshot(self) -> _Snapshot:
+        # Strings are immutable; only the list and deque need copies.
+        choices = self._choices
+        return (
+            _copy_choice(self._c0),
+            None if choices is None else {k: _copy_choice(c) for k, c in choices.items()},
+            self._muted,
+            len(self.notes),
+            self._content_re,
+        )
+
+    def _restore(self, snap: _Snapshot) -> None:
+        self._c0, self._choices, self._muted, n, self._content_re = snap
+        del self.notes[n:]
+
+    def _feed(self, region: bytes) -> GuardVerdict:
         verdict = self._fast(region)
         if verdict is not None:
             return verdict

@@ -256,7 +256,11 @@ async def relay_stream(
                 verdict = guard.feed_final(region) if final else guard.feed(region)
                 if verdict is not region:
                     if isinstance(verdict, Trip):
-                        # Nothing of the offending region reaches the client.
+                        # Nothing of the offending event reaches the client.
+                        if verdict.prefix:
+                            await write(verdict.prefix)
+                            if kept is not None:
+                                kept.append(verdict.prefix)
                         result.outcome = "guard_trip"
                         result.trip = verdict
                         result.code = "invalid_output"
