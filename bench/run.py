@@ -167,7 +167,9 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
-def brownout_policy(tmp: Path, upstream: str, name: str, sessions: bool) -> Path:
+def brownout_policy(
+    tmp: Path, upstream: str, name: str, sessions: bool, guard: bool = True
+) -> Path:
     path = tmp / f"policy-{name}.yaml"
     store = (
         f"  store: redis://127.0.0.1:6379/0\n  key_prefix: 'brownout-bench:{os.getpid()}:'\n"
@@ -184,6 +186,8 @@ backends:
     health: {{interval_s: 5}}
 ladder:
   throttle: {{max_inflight: 4096, queue_size: 4096, scrape_interval_s: 0}}
+guard:
+  enabled: {"true" if guard else "false"}
 sessions:
   max_turns: 4
 {store}"""
@@ -227,10 +231,15 @@ def main() -> int:
             paths.append(
                 Path_("bare aiohttp", f"http://127.0.0.1:{bare}/v1/chat/completions", p.pid)
             )
-            for name, sessions in (("brownout", False), ("brownout+redis sessions", True)):
+            variants = (
+                ("brownout", False, True),
+                ("brownout (guard off)", False, False),
+                ("brownout+redis sessions", True, True),
+            )
+            for i, (name, sessions, guard) in enumerate(variants):
                 port = free_port()
                 pol = brownout_policy(
-                    tmp, f"http://127.0.0.1:{up_port}/{kind}", kind + name[-3:], sessions
+                    tmp, f"http://127.0.0.1:{up_port}/{kind}", f"{kind}{i}", sessions, guard
                 )
                 p = subprocess.Popen(
                     serve_cmd(pol, port),
@@ -384,6 +393,11 @@ def write_report(
         if bo and sat in bo:
             events = bo[sat].rps * (chunks + 1)
             ratios.append(f"relay throughput at c={sat}: {events:,.0f} events/s")
+        go = res.get("brownout (guard off)", {})
+        if bo and go:
+            ratios.append(
+                f"guard cost: guard-on / guard-off best req/s = **{best(bo) / best(go):.0%}**"
+            )
         lines += [""] + [f"- {r}" for r in ratios] + [""]
     lines += ["## Other figures", ""] + [f"- {k}: {v}" for k, v in extra.items()] + [""]
     (RESULTS / "latest.md").write_text("\n".join(lines))
