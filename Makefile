@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: setup run test lint typecheck unit vllm-venv bench chaos litellm-venv clean
+.PHONY: setup run test lint typecheck unit vllm-venv bench chaos fuzz litellm-venv clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,8 @@ vllm-venv:
 	scripts/ensure-vllm-venv.sh
 
 lint:
-	$(VENV)/bin/ruff check proxy tests bench
-	$(VENV)/bin/ruff format --check proxy tests bench
+	$(VENV)/bin/ruff check proxy tests bench fuzz
+	$(VENV)/bin/ruff format --check proxy tests bench fuzz
 
 typecheck:
 	$(VENV)/bin/mypy
@@ -54,6 +54,12 @@ bench: setup vllm-venv litellm-venv
 	$(PY) bench/run.py
 	$(PY) bench/overhead.py
 	$(PY) bench/guard_bench.py
+
+# Coverage-guided fuzzing of the request and SSE parsers and the guard.
+FUZZ_SECONDS ?= 120
+fuzz: setup
+	$(PY) -m pip install -q atheris
+	$(PY) fuzz/fuzz_parsers.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=1024
 
 # The long chaos drills against the real stack. Writes bench/results/chaos.md.
 chaos: setup vllm-venv

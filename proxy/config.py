@@ -44,6 +44,9 @@ class ServerPolicy:
         (), "Accepted client keys (`Authorization: Bearer ...`); empty = no client auth."
     )
     max_body_bytes: int = knob(4 * 1024 * 1024, "Request bodies above this get 413.")
+    body_timeout_s: float = knob(
+        30.0, "A request body not fully received within this gets 408 (slow clients)."
+    )
     heartbeat_s: float = knob(
         15.0,
         "Send an SSE comment (`: ping`) when the backend has been silent this long, so "

@@ -37,7 +37,7 @@ def _check_api_key(rt: Runtime, request: web.Request) -> None:
         raise RequestRejected(401, "invalid or missing API key", "invalid_api_key")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise RequestRejected(
             413,
@@ -45,10 +45,16 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
             "request_too_large",
         )
     try:
-        return await request.read()
+        # A client trickling its body (slow-loris) does not hold a handler forever.
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise RequestRejected(
             413, f"request body exceeds the {limit}-byte limit", "request_too_large"
+        ) from None
+    except TimeoutError:
+        raise RequestRejected(
+            408, f"request body not received within {timeout_s:g} s", "request_timeout"
         ) from None
 
 
@@ -64,7 +70,9 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
     base = {"X-Request-Id": rid, "X-Brownout-Tier": rt.tier}
     try:
         _check_api_key(rt, request)
-        raw = await _read_body(request, rt.policy.server.max_body_bytes)
+        raw = await _read_body(
+            request, rt.policy.server.max_body_bytes, rt.policy.server.body_timeout_s
+        )
         parsed = parse_body(raw, endpoint)
     except RequestRejected as rej:
         rt.metrics.bad_requests.labels(rej.code).inc()
@@ -141,7 +149,9 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     try:
         _check_api_key(rt, request)
         raw = (
-            await _read_body(request, rt.policy.server.max_body_bytes)
+            await _read_body(
+                request, rt.policy.server.max_body_bytes, rt.policy.server.body_timeout_s
+            )
             if request.can_read_body
             else b""
         )

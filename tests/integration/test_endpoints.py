@@ -228,3 +228,32 @@ async def test_openai_client_raises_on_in_band_error(
     assert got == ["partial "]
     assert "mid-answer" in info.value.message or "before the answer" in info.value.message
     await client.close()
+
+
+async def test_slow_body_gets_408_and_the_proxy_keeps_serving(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    await _ok_upstream(fake_upstream)
+    from dataclasses import replace
+
+    policy = make_policy(fake_upstream.url)
+    policy = replace(policy, server=replace(policy.server, body_timeout_s=0.5))
+    proxy = await start_proxy(policy)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n{"
+    )
+    await writer.drain()
+    t0 = asyncio.get_running_loop().time()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+    assert head.startswith(b"HTTP/1.1 408")
+    assert asyncio.get_running_loop().time() - t0 < 2
+    writer.close()
+    # Header injection through a model name changes nothing upstream.
+    body = {**CHAT_BODY, "stream": False, "model": "m\r\nX-Evil: 1"}
+    async with proxy.session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    sent = [h for p, h, _ in fake_upstream.requests if p == "/v1/chat/completions"]
+    assert "X-Evil" not in sent[-1]
