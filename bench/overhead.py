@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,80 +25,8 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def sse_body(chunks: int) -> bytes:
-    out = []
-    for i in range(chunks):
-        obj = {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": "tiny",
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"content": f"tok{i} "},
-                    "logprobs": None,
-                    "finish_reason": "stop" if i == chunks - 1 else None,
-                }
-            ],
-        }
-        out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
-    out.append(b"data: [DONE]\n\n")
-    return b"".join(out)
-
-
-def start_nginx(tmp: Path, port: int) -> subprocess.Popen[bytes]:
-    for name, chunks in (("short", 16), ("long", 1024)):
-        d = tmp / "www" / name / "v1" / "chat"
-        d.mkdir(parents=True)
-        (d / "completions").write_bytes(sse_body(chunks))
-    conf = tmp / "nginx.conf"
-    conf.write_text(
-        f"""
-worker_processes 1;
-error_log {tmp}/nginx-error.log warn;
-pid {tmp}/nginx.pid;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {tmp}/body;
-    server {{
-        listen 127.0.0.1:{port};
-        keepalive_requests 100000;
-        root {tmp}/www;
-        default_type text/event-stream;
-        location = /health {{ return 200; }}
-        location / {{ error_page 405 =200 $uri; }}
-    }}
-}}
-"""
-    )
-    return subprocess.Popen(
-        [NGINX, "-p", str(tmp), "-c", str(conf), "-g", "daemon off; user root;"]
-    )
-
-
-async def wait_port(port: int, limit_s: float = 20) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            _r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, free_port, start_static_upstream, wait_port
 
 BODY = json.dumps(
     {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -155,7 +82,7 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         up_port, bo_ports, bare_ports = free_port(), {}, {}
-        procs.append(start_nginx(tmp, up_port))
+        procs.append(start_static_upstream(tmp, up_port))
         for kind in ("short", "long"):
             bo_ports[kind] = free_port()
             policy = tmp / f"policy-{kind}.yaml"
@@ -195,7 +122,7 @@ def main() -> None:
 
         async def run() -> dict[str, dict[str, dict[str, float]]]:
             for p in [up_port, *bo_ports.values(), *bare_ports.values()]:
-                await wait_port(p)
+                await asyncio.to_thread(wait_port, p)
             results = {}
             for kind in ("short", "long"):
                 paths = {

@@ -13,10 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
-import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 import openai
@@ -25,21 +21,17 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.sse import SSEParser
-from tests.integration.conftest import CHAT_BODY, FakeUpstream, chunk, free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-SITE = ROOT / "nginx" / "brownout.conf"
-MAINTENANCE_HTML = ROOT / "nginx" / "maintenance.html"
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-
-# Strings of the site file the tests rewrite (production values → test values).
-UPSTREAM_LINE = "server 127.0.0.1:8080;"
-LISTEN_LINE = "listen 80;"
-PAGE_LINE = "alias /usr/share/nginx/brownout/maintenance.html;"
+from tests.integration.conftest import (
+    CHAT_BODY,
+    MAINTENANCE_HTML,
+    FakeUpstream,
+    StartNginx,
+    chunk,
+    free_port,
+)
+from tests.integration.conftest import NGINX_SITE as SITE
 
 pytestmark = pytest.mark.real
-
-StartNginx = Callable[[int], Awaitable[str]]
 
 
 def site_setting(pattern: str) -> int:
@@ -51,64 +43,6 @@ def site_setting(pattern: str) -> int:
 
 BURST = site_setting(r"limit_req zone=brownout_req burst=(\d+)")
 CONN_LIMIT = site_setting(r"limit_conn brownout_conn (\d+);")
-
-
-def write_conf(prefix: Path, listen: int, upstream_port: int) -> Path:
-    site = SITE.read_text()
-    for line in (UPSTREAM_LINE, LISTEN_LINE, PAGE_LINE):
-        assert line in site, f"{SITE} no longer contains {line!r}"
-    site = site.replace(UPSTREAM_LINE, f"server 127.0.0.1:{upstream_port};")
-    site = site.replace(LISTEN_LINE, f"listen 127.0.0.1:{listen};")
-    site = site.replace(PAGE_LINE, f"alias {MAINTENANCE_HTML};")
-    (prefix / "site.conf").write_text(site)
-    conf = prefix / "nginx.conf"
-    conf.write_text(
-        f"""
-worker_processes 1;
-error_log {prefix}/error.log warn;
-pid {prefix}/nginx.pid;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/body;
-    proxy_temp_path {prefix}/proxy;
-    include {prefix}/site.conf;
-}}
-"""
-    )
-    return conf
-
-
-@pytest.fixture
-async def start_nginx(tmp_path: Path) -> AsyncIterator[StartNginx]:
-    if not Path(NGINX).exists():
-        pytest.fail("nginx is not installed (.ci/run installs it with apt-get)")
-    procs: list[subprocess.Popen[bytes]] = []
-
-    async def start(upstream_port: int) -> str:
-        port = free_port()
-        conf = write_conf(tmp_path, port, upstream_port)
-        proc = subprocess.Popen(
-            [NGINX, "-p", str(tmp_path), "-c", str(conf), "-g", "daemon off; user root;"],
-            stderr=subprocess.PIPE,
-        )
-        procs.append(proc)
-        for _ in range(100):
-            try:
-                _r, w = await asyncio.open_connection("127.0.0.1", port)
-                w.close()
-                return f"http://127.0.0.1:{port}"
-            except OSError:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    raise RuntimeError(f"nginx did not start: {err}") from None
-                await asyncio.sleep(0.05)
-        raise RuntimeError("nginx did not start")
-
-    yield start
-    for p in procs:
-        p.terminate()
-        p.wait(5)
 
 
 def openai_error(body: bytes) -> dict[str, object]:
