@@ -412,7 +412,8 @@ class StreamGuard:
         """
         if not self._g.active:
             return region
-        if region.count(b"\n\n") < 2:
+        first = region.find(b"\n\n")
+        if region.find(b"\n\n", first + 2) < 0:  # one event: no replay needed
             return self._feed(region)
         snap = self._snapshot()
         verdict = self._feed(region)
