@@ -54,7 +54,11 @@ async def _loops(app: web.Application) -> AsyncIterator[None]:
     Each loop reads `state.current`, so a reload takes effect at its next turn."""
     state = app[STATE]
     pol = state.current.policy
-    jobs: list[Coroutine[Any, Any, None]] = [_evaluate_forever(state), _scrape_forever(state)]
+    jobs: list[Coroutine[Any, Any, None]] = [
+        _evaluate_forever(state),
+        _scrape_forever(state),
+        _flush_saves_forever(state),
+    ]
     if pol.ladder.shared.redis:
         jobs.append(_sync_forever(state))
     if pol.server.watch_policy:
@@ -114,3 +118,12 @@ async def _sync_forever(state: ProxyState) -> None:
         rt = state.current
         await rt.sync_shared()
         await asyncio.sleep(rt.policy.ladder.shared.interval_s)
+
+
+async def _flush_saves_forever(state: ProxyState) -> None:
+    """Write turns that waited out a session-store outage, once it answers."""
+    while True:
+        await asyncio.sleep(1.0)
+        rt = state.current
+        if len(rt.pending_saves):
+            await rt.pending_saves.flush(rt.store)

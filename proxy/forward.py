@@ -610,14 +610,13 @@ class Flow:
         if ctx is None or ctx.status == "unavailable" or assistant is None:
             return
         rt = self.rt
-        try:
-            await rt.store.append(ctx.key, [make_turn(ctx, assistant)])
-        except SessionStoreUnavailable as exc:
-            rt.metrics.session_ops.labels("save", "unavailable").inc()
-            log.warning("session_store_unavailable", request_id=self.rid, op="save", error=str(exc))
-            return
-        ctx.saved = True
-        rt.metrics.session_ops.labels("save", "ok").inc()
+        # A store outage queues the turn (in order) instead of losing it.
+        if await rt.pending_saves.save(rt.store, ctx.key, make_turn(ctx, assistant)):
+            ctx.saved = True
+            rt.metrics.session_ops.labels("save", "ok").inc()
+        else:
+            rt.metrics.session_ops.labels("save", "queued").inc()
+            log.warning("session_save_queued", request_id=self.rid, waiting=len(rt.pending_saves))
 
     # -- answers -----------------------------------------------------------------
 

@@ -204,6 +204,16 @@ class Metrics:
             ["op", "result"],
             registry=r,
         )
+        self.session_saves_waiting = Gauge(
+            "brownout_session_saves_waiting",
+            "Finished turns waiting for the session store to come back.",
+            registry=r,
+        )
+        self.session_turns_dropped = Counter(
+            "brownout_session_turns_dropped",
+            "Waiting turns dropped because the queue was full during a long outage.",
+            registry=r,
+        )
         self.session_store_up = Gauge(
             "brownout_session_store_up",
             "1 while the session store answers.",

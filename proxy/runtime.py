@@ -27,6 +27,7 @@ from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
 from proxy.pressure import PressureMonitor, next_limit
+from proxy.saves import PendingSaves
 from proxy.sessions import MemorySessionStore, SessionStore
 from proxy.shared import SharedState
 from proxy.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
@@ -77,6 +78,12 @@ class Runtime:
             max_turns=pol.sessions.max_turns,
         )
         self.counters: dict[str, TokenCounter] = {}
+        self.pending_saves = PendingSaves(
+            pol.sessions.pending_saves,
+            on_saved=lambda: m.session_ops.labels("save", "late").inc(),
+            on_dropped=m.session_turns_dropped.inc,
+        )
+        m.session_saves_waiting.set_function(lambda: len(self.pending_saves))
         self._estimate = EstimateTokenCounter()
         m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
         self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None
@@ -106,6 +113,8 @@ class Runtime:
             self.admission.set_limit(throttle.max_inflight)
         self.pressure = prev.pressure
         self.pressure.policy = throttle
+        if self.store is prev.store:
+            self.pending_saves = prev.pending_saves
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Fire-and-forget work (shared-state writes) that must not delay a request."""

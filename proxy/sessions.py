@@ -80,6 +80,11 @@ class SessionsPolicy:
     max_sessions: int = knob(
         10000, "memory:// only: sessions kept; the least recently used are evicted."
     )
+    pending_saves: int = knob(
+        10000,
+        "Finished turns kept in memory while the store is down, saved in order when it "
+        "returns (past this, the oldest is dropped and counted).",
+    )
     trimming: TrimPolicy = knob(TrimPolicy, "Fitting history into the context window.")
 
     def __post_init__(self) -> None:

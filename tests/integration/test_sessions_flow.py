@@ -821,8 +821,10 @@ async def test_redis_outage_is_served_statelessly_and_recovers(
     chat.script.append(redis_dies_then_answers)
     r = await ask(proxy, "redis dies meanwhile", sid=sid, stream=False)
     assert r.status == 200 and r.text == "saved nowhere"
-    save_failed = {"op": "save", "result": "unavailable"}
-    assert await metric(proxy, "brownout_session_ops_total", save_failed) == 1
+    # The answer was promised to the session: its turn waits for Redis, in order.
+    save_queued = {"op": "save", "result": "queued"}
+    assert await metric(proxy, "brownout_session_ops_total", save_queued) == 1
+    assert await metric(proxy, "brownout_session_saves_waiting") == 1
 
     t0 = time.monotonic()
     r = await ask(proxy, "during the outage", sid=sid)
@@ -850,14 +852,23 @@ async def test_redis_outage_is_served_statelessly_and_recovers(
     finally:
         private_redis.resume()
 
-    # Back: the first request works again (the restarted Redis is empty), saves, and merges.
+    # Back: the waiting turn is written (the restarted Redis was empty), then
+    # requests work again, save, and merge — nothing finished was lost.
+    deadline = time.monotonic() + 5
+    while await metric(proxy, "brownout_session_saves_waiting") != 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    late = {"op": "save", "result": "late"}
+    assert await metric(proxy, "brownout_session_ops_total", late) == 1
     r = await ask(proxy, "after", sid=sid)
     assert r.status == 200 and r.session == "used"
-    assert chat.messages() == [SYSTEM, user("after")]
+    earlier = [user("redis dies meanwhile"), assistant("saved nowhere")]
+    assert chat.messages() == [SYSTEM, *earlier, user("after")]
     r = await ask(proxy, "after again", sid=sid)
     assert r.session == "used"
     assert chat.messages() == [
         SYSTEM,
+        *earlier,
         user("after"),
         assistant(answer_for("after")),
         user("after again"),
@@ -870,7 +881,7 @@ async def test_redis_outage_is_served_statelessly_and_recovers(
         history = await stored(raw, anon_key(key_prefix, sid))
     finally:
         await raw.aclose()
-    assert history is not None and len(history) == 4
+    assert history is not None and len(history) == 6
 
 
 # =========================================================================== 6
