@@ -11,6 +11,7 @@ turn.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,4 +88,5 @@ def surely_fits(messages: list[dict[str, Any]], budget: int) -> bool:
 
 
 def make_turn(ctx: SessionContext, assistant: str) -> Turn:
-    return Turn(user=ctx.user_text, assistant=assistant)
+    # A fresh id per answer: a save retried after a timeout is stored once.
+    return Turn(user=ctx.user_text, assistant=assistant, id=uuid.uuid4().hex)

@@ -141,6 +141,9 @@ class Turn:
 
     user: str
     assistant: str
+    # Makes a retried save idempotent: a save that timed out may still have
+    # landed, and the same turn must not be stored twice. "" = no check.
+    id: str = ""
 
     def messages(self) -> list[dict[str, str]]:
         return [
@@ -325,7 +328,23 @@ if raw then
   local ok, decoded = pcall(cjson.decode, raw)
   if ok and type(decoded) == 'table' then history = decoded end
 end
-for _, m in ipairs(cjson.decode(ARGV[1])) do history[#history + 1] = m end
+-- Ids of the last turns stored: a turn whose save is retried lands once.
+local ids = {}
+local rawids = redis.call('HGET', KEYS[1], 'turn_ids')
+if rawids then
+  local ok, decoded = pcall(cjson.decode, rawids)
+  if ok and type(decoded) == 'table' then ids = decoded end
+end
+local seen = {}
+for _, v in ipairs(ids) do seen[v] = true end
+local msgs = cjson.decode(ARGV[1])
+for i, tid in ipairs(cjson.decode(ARGV[5])) do
+  if tid == '' or not seen[tid] then
+    history[#history + 1] = msgs[2 * i - 1]
+    history[#history + 1] = msgs[2 * i]
+    if tid ~= '' then ids[#ids + 1] = tid; seen[tid] = true end
+  end
+end
 local keep = tonumber(ARGV[2])
 local n = #history
 if n > keep then
@@ -333,7 +352,17 @@ if n > keep then
   for i = n - keep + 1, n do kept[#kept + 1] = history[i] end
   history = kept
 end
-redis.call('HSET', KEYS[1], 'history', cjson.encode(history), 'last_active', ARGV[4])
+if #ids > 64 then
+  local recent = {}
+  for i = #ids - 63, #ids do recent[#recent + 1] = ids[i] end
+  ids = recent
+end
+local fields = {'history', cjson.encode(history), 'last_active', ARGV[4]}
+if #ids > 0 then
+  fields[#fields + 1] = 'turn_ids'
+  fields[#fields + 1] = cjson.encode(ids)
+end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return #history
 """
@@ -472,10 +501,11 @@ class RedisSessionStore:
         if not new_turns:  # nothing to store; an empty append must not create a session
             return len(await self.load(key)) // 2
         payload = json.dumps(_turn_messages(new_turns), ensure_ascii=False)
+        ids = json.dumps([t.id for t in new_turns])
         now = int(self._clock())
         n = await self._call(
             "append",
-            lambda: self._append_script(keys=[key], args=[payload, keep, ttl, now]),
+            lambda: self._append_script(keys=[key], args=[payload, keep, ttl, now, ids]),
         )
         return int(n) // 2
 

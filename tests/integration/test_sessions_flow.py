@@ -470,7 +470,7 @@ async def test_redis_holds_history_and_last_active_with_ttl_refreshed_and_max_tu
     r = await ask(proxy, "turn 1", sid=sid)
     assert r.status == 200 and r.session == "used"
     h = await shared_redis.hgetall(key)
-    assert set(h) == {"history", "last_active"}
+    assert set(h) == {"history", "last_active", "turn_ids"}  # turn_ids: idempotent retried saves
     assert json.loads(h["history"]) == [user("turn 1"), assistant(answer_for("turn 1"))]
     assert t0 <= int(h["last_active"]) <= time.time() + 1
     assert ttl - 5 <= await shared_redis.ttl(key) <= ttl

@@ -294,3 +294,17 @@ async def test_redis_never_reachable() -> None:
         assert not store.healthy
     finally:
         await store.close()
+
+
+async def test_a_retried_append_is_stored_once(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    # A save that timed out may still have landed; retrying it must not duplicate it.
+    store = RedisSessionStore(shared_redis, ttl_s=60, max_turns=10, timeout_s=1.0)
+    key = session_key(key_prefix, "retry", None)
+    turn = Turn("q", "a", id="t-1")
+    await store.append(key, [turn])
+    await store.append(key, [turn])
+    await store.append(key, [Turn("q2", "a2", id="t-2")])
+    history = await store.load(key)
+    assert [m["content"] for m in history] == ["q", "a", "q2", "a2"]
