@@ -1,0 +1,160 @@
+"""Drill results as Markdown: a summary table, then a table and a timeline per drill."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tests.chaos.scenarios import DrillResult, Durations
+
+__all__ = ["render", "summary_table"]
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f} s"
+
+
+def _detect(r: DrillResult) -> str:
+    parts = []
+    for f in r.faults:
+        if f.detect == "none":
+            continue
+        parts.append(_s(f.detect_s))
+    return " / ".join(parts) if parts else "—"
+
+
+def _tiers(r: DrillResult) -> str:
+    if not r.transitions:
+        return "normal (no change)"
+    path = [r.transitions[0]["from"]] + [t["to"] for t in r.transitions]
+    return " → ".join(path)
+
+
+def summary_table(results: Sequence[DrillResult]) -> str:
+    head = (
+        "| # | drill | sent | complete | rescued | maintenance | explicit errors "
+        "| truncated as success | hung | detect | back to normal | lost turns | tiers | verdict |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|\n"
+    )
+    rows = []
+    for r in results:
+        c = r.counts
+        rows.append(
+            f"| {r.number} | {r.title} | {c['sent']} | {c['complete']} | {c['rescued']} "
+            f"| {c['maintenance']} | {c['error']} | {c['truncated']} | {c['hung']} "
+            f"| {_detect(r)} | {_s(r.back_to_normal_s)} | {r.sessions['lost']} "
+            f"| {_tiers(r)} | {'pass' if r.ok else 'FAIL'} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def _drill_section(r: DrillResult) -> str:
+    c, s = r.counts, r.sessions
+    out = [f"## {r.number}. {r.title}\n"]
+    for f in r.faults:
+        out.append(f"- fault: {f.label}")
+    out.append("")
+    rows = [
+        ("requests sent", c["sent"]),
+        ("complete answers (model + maintenance)", c["complete"]),
+        ("… from a model (primary / fallback)", c["model_answers"]),
+        ("… rescued mid-stream (`: brownout-rescue`, then finished)", c["rescued"]),
+        ("… maintenance answers (valid, `X-Brownout-Backend: maintenance`)", c["maintenance"]),
+        ("explicit errors (HTTP error or in-band error event)", c["error"]),
+        ("… of which a rescue was tried and failed", c["rescue_failed"]),
+        ("**truncated answers presented as success** (must be 0)", c["truncated"]),
+        ("**hung requests** (must be 0)", c["hung"]),
+        ("time to detect (first tier change / first sign, per fault)", _detect(r)),
+        ("time back to normal (fault removed → tier normal, no ramp)", _s(r.back_to_normal_s)),
+        ("outage seen by the ladder (fault → normal)", _s(r.outage_s)),
+        ("sessions / completed turns that used history / stored", ""),
+        ("… sessions", s["sessions"]),
+        ("… completed answers with `X-Brownout-Session: used`", s["expected_turns"]),
+        ("… answers with `X-Brownout-Session: unavailable`", s["unavailable"]),
+        ("… turns stored in Redis", s["stored_turns"]),
+        ("**lost session turns** (must be 0)", s["lost"]),
+        ("… turns stored for answers the client did not get whole", s["extra"]),
+    ]
+    out.append("| metric | value |\n|---|---:|")
+    out.extend(f"| {k} | {v} |" for k, v in rows if v != "")
+    out.append("")
+    if r.phases:
+        out.append(
+            "| stretch | length | complete answers | of which maintenance | failed | answers/s |"
+        )
+        out.append("|---|---:|---:|---:|---:|---:|")
+        out.extend(
+            f"| {p.name} | {p.seconds:.1f} s | {p.complete} | {p.maintenance} | {p.failed} "
+            f"| {p.rate:.1f} |"
+            for p in r.phases
+        )
+        out.append("")
+    if r.backends:
+        out.append(
+            "Complete answers by backend: "
+            + ", ".join(f"{k or '?'} {v}" for k, v in sorted(r.backends.items()))
+            + "."
+        )
+    if r.error_codes:
+        out.append(
+            "Explicit errors by code: "
+            + ", ".join(f"`{k}` × {v}" for k, v in sorted(r.error_codes.items()))
+            + "."
+        )
+    if r.lost:
+        out.append("\nLost turns (completed, `used`, not in Redis):\n")
+        for q in r.lost[:10]:
+            out.append(
+                f"- {q.session} question {q.n}: backend {q.backend}, tier {q.tier}, "
+                f"t {q.started - r.t0:+.1f}…{q.ended - r.t0:+.1f} s"
+                + (", rescued" if q.rescued else "")
+            )
+    facts = {k: v for k, v in r.facts.items() if v is not None}
+    if facts:
+        out.append("\nFacts: " + "; ".join(f"{k} = {v}" for k, v in facts.items()) + ".")
+    if r.notes:
+        out.append("\nNotes:\n")
+        out.extend(f"- {n}" for n in r.notes)
+    if r.problems:
+        out.append("\n**Problems:**\n")
+        out.extend(f"- {p}" for p in r.problems)
+    out.append("\nTimeline (t = 0 at the first fault):\n")
+    out.append("| t | event |\n|---:|---|")
+    out.extend(f"| {t - r.t0:+.1f} s | {text} |" for t, text in r.timeline)
+    return "\n".join(out) + "\n"
+
+
+def render(
+    results: Sequence[DrillResult],
+    durations: Durations,
+    *,
+    setup: str,
+    policy: str,
+    run_seconds: float,
+) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
+    d = durations
+    parts = [
+        "# Chaos drills\n",
+        f"Generated by `bench/chaos.py` (`make chaos`) on {when}; the whole run took "
+        f"{run_seconds / 60:.1f} min.\n",
+        setup,
+        f"Load: {d.workers} streaming chat clients through nginx, each with its own "
+        f"`X-Session-Id`, asking one question after another ({d.max_tokens} tokens, "
+        f"`ignore_eos`, {d.think_s:.1f} s think time); a request still open after "
+        f"{d.deadline_s:.0f} s counts as hung. Every answer is classified from the raw SSE "
+        "bytes the client got; every session's Redis history is audited at the end.\n",
+        "## Summary\n",
+        summary_table(results),
+        "Detect: the first tier change after each fault (the proxy's own transition "
+        "time), or for faults that leave the tier alone the first sign the proxy noticed "
+        "(session store reported down, reload rejected). Back to normal: from the fault's "
+        "removal (vLLM healthy again, SIGCONT, Redis up, burst over, good policy "
+        "reloaded) until `/brownout/status` shows tier `normal` with no ramp (polled "
+        "every 0.2 s). Explicit errors include 429 sheds (Retry-After) during overload.\n",
+    ]
+    problems = [f"- drill {r.number} ({r.title}): {p}" for r in results for p in r.problems]
+    parts.append("## Problems found\n\n" + ("\n".join(problems) if problems else "None.") + "\n")
+    parts.extend(_drill_section(r) for r in results)
+    parts.append("## Policy used\n\n```yaml\n" + policy.strip() + "\n```\n")
+    return "\n".join(parts)
