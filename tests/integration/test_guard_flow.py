@@ -45,6 +45,20 @@ from tests.integration.conftest import (
     make_policy,
 )
 
+
+def patient_policy(*args: Any, **kwargs: Any) -> Policy:
+    """make_policy with generous backend timeouts: these tests are about the
+    guard, and a loaded CI machine must not turn a slow chunk into a timeout."""
+    policy = make_policy(*args, **kwargs)
+    b = policy.backends
+
+    def patient(bp: Any) -> Any:
+        return replace(bp, timeouts=replace(bp.timeouts, first_byte_s=20, idle_s=20))
+
+    fb = patient(b.fallback) if b.fallback is not None else None
+    return replace(policy, backends=replace(b, primary=patient(b.primary), fallback=fb))
+
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 CHAT = "/v1/chat/completions"
 RULES = ("control_chars", "replacement_chars", "special_tokens", "repetition", "malformed")
@@ -398,7 +412,7 @@ async def test_stream_garbage_stops_with_invalid_output(
     case: Case, fake_upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
     script = GarbageScript(case.good, case.after)
-    policy = make_policy(fake_upstream.url, extra=case.extra)
+    policy = patient_policy(fake_upstream.url, extra=case.extra)
     k, trip = first_trip(policy.guard, script.sent)
     k_last = last_possible_trip(script.sent, k, trip)
     assert trip.rule == case.rule  # the test data trips the rule it is about...
@@ -488,7 +502,7 @@ async def test_completions_stream_garbage_stops_with_invalid_output(
         endpoint="text",
     )
     fake_upstream.handlers["/v1/completions"] = script.handler
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(patient_policy(fake_upstream.url))
     script.arm()
     texts: list[str] = []
     async with openai_client(proxy) as client:
@@ -518,7 +532,7 @@ async def test_good_chunks_coalesced_with_garbage_still_arrive(
     (On the real tiny model, greedy output that passes at max_tokens=32 with
     ~130 characters arrived as 0 characters at max_tokens=64 otherwise.)"""
     sent = [*case.good, *case.after]
-    k, _ = first_trip(make_policy(fake_upstream.url).guard, sent)
+    k, _ = first_trip(patient_policy(fake_upstream.url).guard, sent)
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -528,7 +542,7 @@ async def test_good_chunks_coalesced_with_garbage_still_arrive(
         return resp
 
     fake_upstream.handlers[CHAT] = handler
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(patient_policy(fake_upstream.url))
     async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as resp:
         raw = await resp.read()
     events = [e for e in split_events(raw) if not e.startswith(b":")]
@@ -560,7 +574,7 @@ async def test_garbage_in_the_last_region_still_trips(
         return resp
 
     fake_upstream.handlers[CHAT] = handler
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(patient_policy(fake_upstream.url))
     raw = b""
     async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as resp:
         async for data in resp.content.iter_any():
@@ -628,7 +642,7 @@ async def test_rescued_continuation_is_guarded_too(
 
     fake_upstream.handlers[CHAT] = cut
     second_upstream.handlers[CHAT] = continue_with_garbage
-    proxy = await start_proxy(make_policy(fake_upstream.url, second_upstream.url))
+    proxy = await start_proxy(patient_policy(fake_upstream.url, second_upstream.url))
 
     async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as resp:
         assert resp.status == 200
@@ -663,7 +677,7 @@ async def test_log_mode_rule_lets_the_stream_through_and_counts_a_note(
     case: Case, fake_upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
     script = GarbageScript(case.good, case.after, finish=True)
-    policy = make_policy(fake_upstream.url, extra=f"guard:\n  {case.rule}: {{action: log}}\n")
+    policy = patient_policy(fake_upstream.url, extra=f"guard:\n  {case.rule}: {{action: log}}\n")
     fake_upstream.handlers[CHAT] = script.handler
     proxy = await start_proxy(policy)
     sent = b"".join(script.sent) + ev("", 999, finish="stop") + DONE_EVENT
@@ -693,7 +707,7 @@ async def test_malformed_event_is_dropped_by_default_and_stream_completes(
     bad = (b"data: {not json\n\n", b'data: {"object":"chat.completion.chunk"}\n\n')
     script = GarbageScript(GOOD, (*bad, ev(" More", 2), ev(" text.", 3)), finish=True)
     fake_upstream.handlers[CHAT] = script.handler
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(patient_policy(fake_upstream.url))
 
     script.arm(open_gate=True)
     async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as resp:
@@ -767,7 +781,7 @@ async def test_non_streaming_garbage_is_502_invalid_output(
         return web.Response(body=body, content_type="application/json")
 
     fake_upstream.handlers[CHAT] = handler
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(patient_policy(fake_upstream.url))
 
     async with openai_client(proxy) as client:
         with pytest.raises(openai.InternalServerError) as info:
@@ -837,7 +851,7 @@ async def test_ordinary_text_passes_byte_for_byte(
         return resp
 
     fake_upstream.handlers[CHAT] = stream_handler
-    proxy = await start_proxy(make_policy(fake_upstream.url))
+    proxy = await start_proxy(patient_policy(fake_upstream.url))
     async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as resp:
         assert resp.status == 200
         raw = await resp.read()
@@ -900,7 +914,7 @@ class RealResult:
 
 
 def real_policy(base_url: str) -> Policy:
-    policy = make_policy(base_url, extra=REAL_EXTRA)
+    policy = patient_policy(base_url, extra=REAL_EXTRA)
     primary = policy.backends.primary
     primary = replace(
         primary,
