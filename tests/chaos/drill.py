@@ -863,6 +863,7 @@ class Sample:
     reload_at: float | None = None
     reload_ok: bool | None = None
     limit: int | None = None
+    pressure: str = ""  # the signals above their marks, e.g. "queue_wait, ttft"
 
     def key(self) -> tuple[object, ...]:
         return (
@@ -873,7 +874,22 @@ class Sample:
             self.primary,
             self.fallback,
             self.reload_at,
+            self.pressure,
         )
+
+
+def _pressure_signals(st: dict[str, Any]) -> str:
+    """While pressure is active: the signals at or above their marks; else the
+    ones still above the clear ratio (0.5 by default) that keep it active."""
+    p = st.get("pressure") or {}
+    if not p.get("active"):
+        return ""
+    signals = {k: float(v) for k, v in (p.get("signals") or {}).items()}
+    high = sorted(k for k, v in signals.items() if v >= 1.0)
+    if high:
+        return ", ".join(high)
+    holding = sorted(k for k, v in signals.items() if v >= 0.5)
+    return "held by " + (", ".join(holding) or "?") + " (below its mark, above the clear ratio)"
 
 
 def sample_of(t: float, st: dict[str, Any]) -> Sample:
@@ -896,6 +912,7 @@ def sample_of(t: float, st: dict[str, Any]) -> Sample:
         reload_at=last.get("at"),
         reload_ok=last.get("ok"),
         limit=(st.get("concurrency") or {}).get("limit"),
+        pressure=_pressure_signals(st),
     )
 
 

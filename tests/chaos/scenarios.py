@@ -70,7 +70,7 @@ class Durations:
     warmup_s: float = 8.0
     settle_s: float = 8.0
     deadline_s: float = 90.0  # a request still open after this is "hung"
-    normal_timeout_s: float = 150.0
+    normal_timeout_s: float = 90.0  # "back to normal" later than this is a failure
     failover_hold_s: float = 10.0  # time on the fallback before vLLM is restarted
     stall_s: float = 20.0
     api_down_s: float = 30.0
@@ -205,7 +205,20 @@ async def _wait_exit(ctx: DrillContext, limit_s: float) -> bool:
     return True
 
 
-async def _restart_vllm(ctx: DrillContext) -> None:
+def _reap_orphans(ctx: DrillContext, tree: list[int]) -> None:
+    """Kill what is left of a broken vLLM's process tree (snapshot `tree`, taken
+    before the fault): once its parent died, `VLLMServer.stop` cannot find it."""
+    left = [p for p in tree if _is_vllm_process(p)]
+    if left:
+        ctx.note(
+            f"{len(left)} process(es) of the broken vLLM were still running when it was "
+            "restarted (orphans, no longer under the API server); the drill killed them"
+        )
+        _signal_all(left, signal.SIGKILL)
+
+
+async def _restart_vllm(ctx: DrillContext, tree: list[int]) -> None:
+    _reap_orphans(ctx, tree)
     ctx.info("vLLM restart begins")
     vllm = ctx.stack.vllm
     await in_owner_thread(vllm.restart)
@@ -219,6 +232,7 @@ async def drill_engine_kill(ctx: DrillContext) -> None:
     if not pids:
         raise DrillError("no VLLM::EngineCore process found")
     await ctx.mid_stream()
+    tree = [p.pid for p in ctx.stack.vllm.processes()]
     ctx.fault(f"SIGKILL VLLM::EngineCore (pid {', '.join(map(str, pids))})")
     _signal_all(pids, signal.SIGKILL)
     await ctx.wait_tier("failover", 30)
@@ -227,7 +241,7 @@ async def drill_engine_kill(ctx: DrillContext) -> None:
     else:
         ctx.note("the vLLM API server was still running 30 s after its engine died")
     await asyncio.sleep(ctx.d.failover_hold_s)
-    await _restart_vllm(ctx)
+    await _restart_vllm(ctx, tree)
 
 
 async def drill_stall(ctx: DrillContext) -> None:
@@ -270,16 +284,7 @@ async def drill_api_kill(ctx: DrillContext) -> None:
     left = [p for p in engine if _is_vllm_process(p)]
     ctx.facts["orphans_after_5s"] = len(left)
     await ctx.sleep_until(f.t + ctx.d.api_down_s)
-    left = [p for p in engine if _is_vllm_process(p)]
-    if left:
-        ctx.note(
-            f"{len(left)} vLLM engine process(es) outlived the killed API server for "
-            f"{ctx.d.api_down_s:.0f} s (killed by the drill before the restart)"
-        )
-        _signal_all(left, signal.SIGKILL)
-    else:
-        ctx.info("vLLM engine processes had exited with their API server")
-    await _restart_vllm(ctx)
+    await _restart_vllm(ctx, engine)
 
 
 async def drill_redis_stop(ctx: DrillContext) -> None:
@@ -303,6 +308,7 @@ async def drill_fallback_kill(ctx: DrillContext) -> None:
     if not pids:
         raise DrillError("no VLLM::EngineCore process found")
     await ctx.mid_stream()
+    tree = [p.pid for p in stack.vllm.processes()]
     ctx.fault(f"SIGKILL VLLM::EngineCore (pid {', '.join(map(str, pids))})")
     _signal_all(pids, signal.SIGKILL)
     await ctx.wait_tier("failover", 30)
@@ -314,7 +320,7 @@ async def drill_fallback_kill(ctx: DrillContext) -> None:
     await ctx.wait_tier("maintenance", 30)
     await asyncio.sleep(ctx.d.maintenance_hold_s)
     ctx.info("restore both: fallback start + vLLM restart")
-    await asyncio.gather(in_owner_thread(stack.fallback.start), _restart_vllm(ctx))
+    await asyncio.gather(in_owner_thread(stack.fallback.start), _restart_vllm(ctx, tree))
     ctx.removed("fallback and vLLM both healthy again")
 
 
@@ -594,6 +600,8 @@ def _timeline(
                 events.append((s.t, f"status: session store {'up' if s.store_healthy else 'DOWN'}"))
             if s.reload_at != prev.reload_at and s.reload_at is not None:
                 events.append((s.t, f"status: policy reload {'ok' if s.reload_ok else 'REJECTED'}"))
+            if s.pressure != prev.pressure:
+                events.append((s.t, f"pressure: {s.pressure or 'cleared'}"))
             if s.reachable != prev.reachable:
                 events.append((s.t, "status page " + ("back" if s.reachable else "UNREACHABLE")))
         prev = s
