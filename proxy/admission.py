@@ -136,8 +136,13 @@ class Admission:
             async with asyncio.timeout(self.policy.queue_timeout_s):
                 await w.future
         except TimeoutError:
-            self._remove(w)
-            raise Rejected("queue_timeout", self.retry_after()) from None
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                # The slot was handed over in the same step the deadline hit:
+                # it is ours, so use it rather than leak it.
+                pass
+            else:
+                self._remove(w)
+                raise Rejected("queue_timeout", self.retry_after()) from None
         except asyncio.CancelledError:
             # The client left while waiting; if a slot was just handed over, give it back.
             if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
