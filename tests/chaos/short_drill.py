@@ -1,4 +1,4 @@
-"""NOT COLLECTED YET (rename to test_chaos_short.py once verified in the full suite on a quiet machine).
+"""NOT COLLECTED YET: rename to test_chaos_short.py once verified in the full suite.
 
 The chaos drills, short: a broken reload, a Redis stop, an engine kill.
 
