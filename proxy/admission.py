@@ -88,6 +88,9 @@ class Admission:
         # Drain rate: EWMA of completions/s, updated on release.
         self._rate = 0.0
         self._last_release = clock()
+        # When the pool last went from idle to busy: an idle gap is not a
+        # slow drain, so the decay below counts only busy time.
+        self._busy_since = self._last_release
 
     # -- state -------------------------------------------------------------------
 
@@ -96,8 +99,11 @@ class Admission:
         return self._queued
 
     def drain_rate(self) -> float:
-        """Completions per second (decays while nothing completes)."""
-        idle = self.clock() - self._last_release
+        """Completions per second (decays while requests are in flight and
+        nothing completes; an idle pool keeps its last estimate)."""
+        if self.inflight == 0:
+            return self._rate
+        idle = self.clock() - max(self._last_release, self._busy_since)
         if idle > 1.0 and self._rate > 0:
             return min(self._rate, 1.0 / idle)
         return self._rate
@@ -120,7 +126,7 @@ class Admission:
         if self.shed_sheddable and priority == "sheddable":
             raise Rejected("shed", self.retry_after())
         if self.inflight < self.limit and not self._ahead_of(priority):
-            self.inflight += 1
+            self._take()
             return
         if self._queued >= self.policy.queue_size and not self._evict_below(priority):
             raise Rejected("queue_full", self.retry_after())
@@ -169,8 +175,13 @@ class Admission:
                 return
             if w.future.done():  # timed out or cancelled meanwhile
                 continue
-            self.inflight += 1
+            self._take()
             w.future.set_result(None)
+
+    def _take(self) -> None:
+        if self.inflight == 0:
+            self._busy_since = self.clock()
+        self.inflight += 1
 
     def _pop(self) -> _Waiter | None:
         for p in PRIORITIES:

@@ -4,7 +4,10 @@ Pressure is read from vLLM itself (its `/metrics`: requests waiting, KV-cache
 usage — summed over `engine` labels, old metric names accepted), from the
 proxy's own time to first token against a rolling baseline (the seed rule:
 pressure when the short-window P95 exceeds `ttft_factor` × the baseline P95),
-and from the admission queue's wait times.
+and from the admission queue's wait times — only while the limit is the
+configured `max_inflight`: once the throttle has cut the limit, its queue is
+the throttle's own doing, and counting it would hold the tier in place (and,
+adaptive, shrink the limit further) with the engine idle.
 
 Hysteresis: pressure turns on when any signal reaches its high mark and
 turns off only when every signal is below `clear_ratio` × its mark; the
@@ -59,7 +62,12 @@ class ThrottlePolicy(AdmissionPolicy):
     ttft_window_s: float = knob(60.0, "Short window of the TTFT rule.")
     baseline_window_s: float = knob(3600.0, "Baseline window of the TTFT rule (rolling P95).")
     min_samples: int = knob(20, "TTFT samples needed in each window before the rule counts.")
-    queue_wait_high_s: float = knob(2.0, "Pressure when the P95 admission queue wait reaches this.")
+    queue_wait_high_s: float = knob(
+        2.0,
+        "Pressure when the P95 admission queue wait reaches this (counted only while "
+        "the limit is `max_inflight`: waits the throttle causes itself do not feed it).",
+    )
+    queue_wait_window_s: float = knob(10.0, "Window of the queue-wait rule.")
     clear_ratio: float = knob(
         0.5, "Pressure clears when every signal is below this × its high mark."
     )
@@ -145,17 +153,25 @@ class PressureMonitor:
         self._rejecting = False
         self.ttft_short = Window(policy.ttft_window_s)
         self.ttft_base = Window(policy.baseline_window_s)
-        self.queue_wait = Window(policy.ttft_window_s)
+        self.queue_wait = Window(policy.queue_wait_window_s)
         self.active = False
         self.reason = ""
+
+    def set_policy(self, policy: ThrottlePolicy) -> None:
+        """A reloaded policy keeps the samples; only the windows' spans change."""
+        self.policy = policy
+        self.ttft_short.span_s = policy.ttft_window_s
+        self.ttft_base.span_s = policy.baseline_window_s
+        self.queue_wait.span_s = policy.queue_wait_window_s
 
     def record_ttft(self, seconds: float) -> None:
         now = self.clock()
         self.ttft_short.add(now, seconds)
         self.ttft_base.add(now, seconds)
 
-    def record_queue_wait(self, seconds: float) -> None:
-        self.queue_wait.add(self.clock(), seconds)
+    def record_queue_wait(self, seconds: float, limit: int) -> None:
+        if limit >= self.policy.max_inflight:  # else the wait is the throttle's own
+            self.queue_wait.add(self.clock(), seconds)
 
     def update_engine(self, g: EngineGauges) -> None:
         g.scraped_at = self.clock()

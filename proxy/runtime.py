@@ -112,7 +112,7 @@ class Runtime:
         if prev.policy.ladder.throttle.max_inflight != throttle.max_inflight:
             self.admission.set_limit(throttle.max_inflight)
         self.pressure = prev.pressure
-        self.pressure.policy = throttle
+        self.pressure.set_policy(throttle)
         if self.store is prev.store:
             self.pending_saves = prev.pending_saves
 
@@ -163,7 +163,7 @@ class Runtime:
 
     def _on_queue_wait(self, seconds: float) -> None:
         self.metrics.queue_wait.observe(seconds)
-        self.pressure.record_queue_wait(seconds)
+        self.pressure.record_queue_wait(seconds, self.admission.limit)
 
     def priority_for(self, header: str | None, api_key: str | None) -> Priority:
         """`X-Priority` may lower a key's mapped priority, never raise it."""

@@ -19,6 +19,7 @@ both, then :meth:`restart` (or the ``live_vllm_server`` fixture) to recover.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -240,6 +241,10 @@ class VLLMServer:
         proc = self._proc
         if proc is not None:
             terminate_tree(proc.pid, timeout=timeout, reap=proc.poll)
+            # Engine processes orphaned earlier (their API server was killed)
+            # are no longer its descendants, but still in its session's group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.poll()
             self._proc = None
         self._close_log()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -155,3 +156,46 @@ def test_never_exceeds_the_limit(ops: list[str], limit: int) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(run())
+
+
+async def test_slot_handed_over_as_the_deadline_fires_is_not_leaked() -> None:
+    """Release and queue timeout in the same event-loop step: the waiter owns
+    the slot (it was handed over), so it must be admitted, not refused with
+    the slot still counted in flight (which blocked all traffic at limit 1)."""
+    adm, _ = make(max_inflight=1, queue_timeout_s=0.2)
+    await adm.acquire("normal")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    waiter = asyncio.create_task(adm.acquire("normal"))
+    await asyncio.sleep(0)
+    assert adm.queued == 1
+    # Block the loop across the deadline so the release (due just before it)
+    # and the timeout run back to back in one step, release first.
+    loop.call_at(t0 + 0.17, time.sleep, 0.08)
+    loop.call_at(t0 + 0.195, adm.release)
+    await asyncio.wait({waiter})
+    assert waiter.exception() is None, "the handed-over slot was refused"
+    assert adm.inflight == 1
+    adm.release()
+    assert adm.inflight == 0
+
+
+async def test_idle_gap_does_not_refuse_queued_requests() -> None:
+    """After an idle minute the drain-rate estimate must not read as 'nothing
+    drains' and refuse the first queued request by the deadline rule."""
+    adm, clock = make(max_inflight=2, queue_timeout_s=10)
+    adm.inflight = 20
+    for _ in range(20):
+        clock.t += 0.5  # 2 completions per second
+        adm.release()
+    clock.t += 300  # idle
+    await adm.acquire("normal")
+    await adm.acquire("normal")
+    queued = asyncio.create_task(adm.acquire("normal"))
+    await asyncio.sleep(0)
+    assert not queued.done(), "refused at once after an idle gap"
+    adm.release()
+    await queued
+    # Busy with nothing completing: the estimate decays (refusals are real).
+    clock.t += 40
+    assert adm.drain_rate() < 0.05

@@ -99,3 +99,21 @@ def test_adaptive_limit_converges_after_a_step_change() -> None:
         tail = trace[-40:]
         assert max(tail) <= capacity + 1
         assert min(tail) >= int(capacity * 0.75) - 1
+
+
+def test_queue_wait_counts_only_at_the_configured_limit() -> None:
+    """The throttle's own queue must not hold it in place: with the limit cut,
+    waits are not pressure, and old waits leave the short window."""
+    clock = Clock()
+    pol = ThrottlePolicy(max_inflight=16, queue_wait_high_s=2.0, queue_wait_window_s=10.0)
+    mon = PressureMonitor(pol, clock)
+    mon.record_queue_wait(3.0, limit=16)
+    assert mon.evaluate().pressure
+    assert "queue_wait" in mon.reason
+    for _ in range(20):
+        clock.t += 1.0
+        mon.record_queue_wait(5.0, limit=4)  # the throttle cut the limit to 4
+    assert "queue_wait" not in mon.ratios()
+    v = mon.evaluate()
+    assert not v.pressure
+    assert v.reason == "pressure cleared"
