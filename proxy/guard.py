@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
+from proxy.chunkrun import CONTENT_RE, TEXT_RE, Run
 from proxy.knobs import knob
 from proxy.sse import DONE, DONE_EVENT, SSEParser, error_events
 
@@ -220,9 +221,8 @@ _EXCERPT: Final = 40
 # The content string literals of chat chunks and of completions. Inside a JSON
 # string every `"` is escaped, so `"content":"` only matches a real key
 # (`"reasoning_content"` has `_` before `content`; logprobs map to numbers).
-_LITERAL = rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"'
-_CONTENT_RE: Final = re.compile(rb'"content":' + _LITERAL)
-_TEXT_RE: Final = re.compile(rb'"text":' + _LITERAL)
+_CONTENT_RE: Final = CONTENT_RE
+_TEXT_RE: Final = TEXT_RE
 # The C scanner behind json.loads for one string literal (not in typeshed).
 _scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 
@@ -403,7 +403,7 @@ class StreamGuard:
         """Trips that did not stop the stream (`log` rules, dropped events); the
         relay drains it."""
 
-    def feed(self, region: bytes) -> GuardVerdict:
+    def feed(self, region: bytes, run: Run | None = None) -> GuardVerdict:
         """Check one region of whole events; see the module docstring.
 
         A region of several events that trips is checked again event by event
@@ -416,7 +416,11 @@ class StreamGuard:
         if region.find(b"\n\n", first + 2) < 0:  # one event: no replay needed
             return self._feed(region)
         snap = self._snapshot()
-        verdict = self._feed(region)
+        verdict = None
+        if run is not None and not self._g.strict_json:
+            verdict = self._run(region, run)
+        if verdict is None:
+            verdict = self._feed(region)
         if not isinstance(verdict, Trip):
             return verdict
         self._restore(snap)
@@ -470,6 +474,10 @@ class StreamGuard:
 
     # -- fast path ----------------------------------------------------------------
 
+    def _fast_shape(self, region: bytes) -> bool:
+        k = region.count(b'"choices":[{"index":0,') or region.count(b'"choices": [{"index": 0, ')
+        return bool(k) and region.count(b'"index":') == k and region.count(b"\n") == 2 * k
+
     def _fast(self, region: bytes) -> GuardVerdict | None:
         """None when the region needs the slow path (before any state changed).
 
@@ -484,8 +492,7 @@ class StreamGuard:
             region.startswith(b"data: {") and region.endswith(b"}\n\n") and not self._g.strict_json
         ):
             return None
-        k = region.count(b'"choices":[{"index":0,') or region.count(b'"choices": [{"index": 0, ')
-        if not k or region.count(b'"index":') != k or region.count(b"\n") != 2 * k:
+        if not self._fast_shape(region):
             return None
         cre = self._content_re
         if cre is None:
@@ -510,6 +517,53 @@ class StreamGuard:
             trip = self.check_text(self._c0, text)
             if trip is not None:
                 return trip
+        return region
+
+    # -- runs ---------------------------------------------------------------------
+
+    def _run(self, region: bytes, run: Run) -> GuardVerdict | None:
+        """A region holding a run of envelope chunks (`proxy.chunkrun`): the
+        events around the run take the usual paths, the run only costs the
+        decoding of its text. None when its literals do not decode."""
+        parts = run.literals
+        raw = b"".join(parts)
+        if b"\\" in raw or b'"' in raw:
+            # Each piece must be a whole string literal: decode them as a list.
+            try:
+                texts = json.loads(b'["' + b'","'.join(parts) + b'"]')
+            except ValueError:
+                return None
+            if len(texts) != len(parts):
+                return None
+            text = "".join(texts)
+        else:
+            try:
+                text = raw.decode()
+            except ValueError:
+                return None
+        i, j, n = run.start, run.end, len(region)
+        changed = False
+        head = tail = b""
+        if i:
+            head = region[:i]
+            verdict = self._feed(head)
+            if isinstance(verdict, Trip):
+                return verdict
+            changed = verdict is not head
+            head = verdict
+        if text:
+            trip = self.check_text(self._c0, text)
+            if trip is not None:
+                return trip
+        if j < n:
+            tail = region[j:]
+            verdict = self._feed(tail)
+            if isinstance(verdict, Trip):
+                return verdict
+            changed = changed or verdict is not tail
+            tail = verdict
+        if changed:  # malformed events around the run were dropped
+            return head + region[i:j] + tail
         return region
 
     # -- slow path ----------------------------------------------------------------

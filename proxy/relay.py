@@ -24,6 +24,7 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
+from proxy.chunkrun import ChunkRuns
 from proxy.errors import error_body
 from proxy.guard import StreamGuard, Trip
 from proxy.sse import (
@@ -53,6 +54,19 @@ def has_finish_reason(data: bytes) -> bool:
     every other chunk, so the key alone is not enough). Inside a JSON string
     the quotes would be escaped, so token text cannot match."""
     return b'"finish_reason":"' in data or b'"finish_reason": "' in data
+
+
+def markers(region: bytes, offset: int) -> tuple[int, int, bool, int]:
+    """(events, first error event, any finish_reason, [DONE]) of a region of
+    whole events; positions are `offset` + the index in `region`, -1 if none."""
+    err_at = find_line(region, b'data: {"error"')
+    done_at = find_line(region, b"data: [DONE]")
+    return (
+        region.count(b"\n\n"),
+        err_at + offset if err_at >= 0 else -1,
+        has_finish_reason(region),
+        done_at + offset if done_at >= 0 else -1,
+    )
 
 
 def is_error_event(data: bytes) -> bool:
@@ -202,6 +216,7 @@ async def relay_stream(
     pump = _Pump(request, upstream, client, heartbeat_s, idle_s)
     loop = pump.loop
     framer = SSEFramer()
+    runs = ChunkRuns()
     result = StreamResult("truncated", 200, client=client)
     if keep:
         result.regions = []
@@ -252,8 +267,9 @@ async def relay_stream(
         saw_finish = False
         final = False
         while True:
+            run = runs.cut(region) if not final else None
             if guard is not None:
-                verdict = guard.feed_final(region) if final else guard.feed(region)
+                verdict = guard.feed_final(region) if final else guard.feed(region, run)
                 if verdict is not region:
                     if isinstance(verdict, Trip):
                         # Nothing of the offending event reaches the client.
@@ -270,10 +286,21 @@ async def relay_stream(
                         )
                         return result
                     region = verdict  # malformed events dropped
+                    run = None
             # Byte searches, not JSON: a region holds whole events with LF
-            # line ends, and these markers can only match at a line start.
-            result.events += region.count(b"\n\n")
-            err_at = find_line(region, b'data: {"error"')
+            # line ends, and these markers can only match at a line start. A
+            # run of plain text chunks holds none of them: only the events
+            # around it are searched.
+            if run is None:
+                events, err_at, finished, done_at = markers(region, 0)
+            else:
+                events, err_at, finished, done_at = markers(region[: run.start], 0)
+                if err_at < 0 and done_at < 0:
+                    more, err_at, fin, done_at = markers(region[run.end :], run.end)
+                    events += more
+                    finished = finished or fin
+                events += len(run.literals)
+            result.events += events
             if err_at >= 0:
                 # Forward what came before the error; the caller decides how
                 # the answer ends (rescue, or this error and [DONE]).
@@ -287,9 +314,8 @@ async def relay_stream(
                     if kept is not None:
                         kept.append(region[:err_at])
                 return result
-            if not saw_finish and has_finish_reason(region):
+            if finished:
                 saw_finish = True
-            done_at = find_line(region, b"data: [DONE]")
             if done_at >= 0:
                 end = region.find(b"\n\n", done_at) + 2
                 if end < len(region):

@@ -1,0 +1,122 @@
+"""Runs of envelope chunks: found exactly, and never change what the relay or
+the guard decide about a region."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.chunkrun import ChunkRuns, Run
+from proxy.guard import Guard, GuardPolicy
+from proxy.relay import markers
+
+DONE = b"data: [DONE]\n\n"
+GUARD = Guard(GuardPolicy())
+
+
+def chunk(text: str, finish: str | None = None, role: bool = False, **extra: Any) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
+    obj = {
+        "id": "chatcmpl-7e1d",
+        "object": "chat.completion.chunk",
+        "created": 1767225600,
+        "model": "tiny",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        **extra,
+    }
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def answer(words: list[str]) -> bytes:
+    return b"".join(
+        [chunk("", role=True), *(chunk(w) for w in words), chunk("", finish="stop"), DONE]
+    )
+
+
+WORDS = [f"word{i} " for i in range(40)] + ['say "hi"\n', "back\\slash", "é 日本", "\t"]
+
+
+def learnt(region: bytes) -> ChunkRuns:
+    runs = ChunkRuns()
+    runs.cut(region)
+    return runs
+
+
+def test_a_burst_is_one_run_between_the_first_and_last_chunks() -> None:
+    region = answer(WORDS)
+    run = ChunkRuns().cut(region)  # learnt from the middle of a big first region
+    assert run is not None
+    first, last = chunk("", role=True), chunk("", finish="stop") + DONE
+    assert (run.start, run.end) == (len(first), len(region) - len(last))
+    assert [json.loads(b'"' + lit + b'"') for lit in run.literals] == WORDS
+
+
+def test_small_regions_and_other_envelopes_are_not_runs() -> None:
+    runs = learnt(answer(WORDS))
+    assert runs.cut(chunk("one")) is None  # below MIN_RUN_BYTES: plain searches
+    usage = b"".join(chunk(w, usage={"completion_tokens": i}) for i, w in enumerate(WORDS))
+    assert runs.cut(usage) is None  # the envelope changes per chunk
+
+
+def test_an_envelope_that_varies_per_chunk_is_given_up_on() -> None:
+    runs = ChunkRuns()
+    for i in range(10):
+        region = b"".join(chunk(w, usage={"n": i * 100 + j}) for j, w in enumerate(WORDS))
+        assert runs.cut(region) is None
+    assert runs._failures <= 4
+
+
+# --------------------------------------------------------------------------- soundness
+
+TEXT = st.text(
+    st.characters(codec="utf-8", exclude_categories=("Cs",)) | st.sampled_from('"\\\n<|\x00\ufffd'),
+    max_size=12,
+)
+EVENT = st.one_of(
+    TEXT.map(chunk),
+    TEXT.map(chunk),
+    TEXT.map(chunk),
+    TEXT.map(lambda t: chunk(t, finish="stop")),
+    TEXT.map(lambda t: chunk(t, role=True)),
+    st.just(DONE),
+    st.just(b'data: {"error":{"message":"boom","code":500}}\n\n'),
+    st.just(b": ping\n\n"),
+    st.just(b"data: not json\n\n"),
+    TEXT.map(lambda t: chunk(t)[:-3] + b',"x":1}\n\n'),  # same start, other end
+    TEXT.map(lambda t: chunk(t).replace(b'"content":"', b'"content":"\n', 1)),  # raw newline
+)
+
+
+def _markers(region: bytes, run: Run | None) -> tuple[int, int, bool, int]:
+    if run is None:
+        return markers(region, 0)
+    events, err, fin, done = markers(region[: run.start], 0)
+    if err < 0 and done < 0:
+        more, err, fin2, done = markers(region[run.end :], run.end)
+        events, fin = events + more, fin or fin2
+    return events + len(run.literals), err, fin, done
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    teach=st.lists(st.sampled_from(WORDS), min_size=30, max_size=30),
+    events=st.lists(EVENT, min_size=1, max_size=60),
+    pad=st.integers(0, 40),
+)
+def test_a_run_never_changes_the_relays_or_the_guards_verdict(
+    teach: list[str], events: list[bytes], pad: int
+) -> None:
+    """Any region, after any learnt envelope: the relay's markers and the
+    guard's verdict with the run equal those without it."""
+    runs = learnt(answer(teach))
+    region = b"".join([chunk("x") for _ in range(pad)] + events)
+    run = runs.cut(region)
+    assert _markers(region, run) == markers(region, 0)
+    with_run = GUARD.stream().feed(region, run)
+    without = GUARD.stream().feed(region)
+    assert with_run == without
+    if run is not None:
+        assert all(b"\n" not in lit for lit in run.literals)
