@@ -74,8 +74,8 @@ class ChunkRuns:
             if last is not None:
                 event = last[last.rfind(b"\n\n", 0, len(last) - 2) + 2 :]
             elif big:  # from its middle: the first and last chunks are special
-                mid = region.find(b"\n\n", len(region) // 2) + 2
-                event = region[mid : region.find(b"\n\n", mid) + 2]
+                at = region.find(b"\n\n", len(region) // 2) + 2
+                event = region[at : region.find(b"\n\n", at) + 2]
             else:
                 return None
             if not self._learn(event):
