@@ -140,6 +140,9 @@ class BackendBreaker:
 
     def record_success(self) -> None:
         self._observe(True)
+        cb = self._cb
+        if cb.fail_counter == 0 and cb.current_state == "closed":
+            return  # nothing for pybreaker to reset: skip its locked call path
         self._report(_ok)
 
     def record_failure(self, reason: str) -> None:

@@ -320,7 +320,8 @@ async def relay_stream(
                 end = region.find(b"\n\n", done_at) + 2
                 if end < len(region):
                     region = region[:end]
-                await write(region)
+                # The last chunk and the chunked-encoding terminator in one send.
+                await client.write_eof(region)
                 if kept is not None:
                     kept.append(region)
                 result.outcome = "complete"
