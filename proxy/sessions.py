@@ -413,7 +413,9 @@ class RedisSessionStore:
             url,
             max_connections=max_connections,
             timeout=timeout_s,  # wait for a free connection
-            socket_timeout=timeout_s,
+            # No socket_timeout: every call is bounded by `_call` (a wait_for
+            # around each socket read would cost more than the command). The
+            # connect timeout stays: a handshake may absorb a cancellation.
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
