@@ -1,6 +1,4 @@
-"""NOT COLLECTED YET: rename to test_chaos_short.py once verified in the full suite.
-
-The chaos drills, short: a broken reload, a Redis stop, an engine kill.
+"""The chaos drills, short: a broken reload, a Redis stop, an engine kill.
 
 The full set (all seven, with the issue's durations) is `make chaos`
 (bench/chaos.py → bench/results/chaos.md). Here each drill runs for seconds
