@@ -36,6 +36,11 @@ path: the region is parsed into events and each event's data is
 `json.loads`-ed. On the 2-core dev box (bench/guard_bench.py) a single-event
 region costs ≈2.3 µs and a 64-event region ≈0.6 µs per event, against
 ≈3.6 µs per event for `json.loads` alone.
+
+Bursts: when the relay finds a run of chunks sharing one envelope
+(`proxy.chunkrun`), `feed(region, run)` takes the run's text literals as they
+are and only decodes them; the events around the run take the paths above.
+A 64 KB region of vLLM chunks then costs the guard ≈15 µs instead of ≈300 µs.
 """
 
 from __future__ import annotations
