@@ -53,6 +53,7 @@ bench: setup vllm-venv litellm-venv
 	$(PY) -m pip install -q matplotlib
 	$(PY) bench/run.py
 	$(PY) bench/overhead.py
+	$(PY) bench/guard_ab.py
 	$(PY) bench/guard_bench.py
 
 # Coverage-guided fuzzing of the request and SSE parsers and the guard.
