@@ -25,6 +25,11 @@ from common import ROOT, free_port, start_static_upstream, wait_port
 from run import Path_, brownout_policy, run_wrk, serve_cmd, stop
 
 CHUNKS = {"short": 16, "long": 1024}
+HEADER = (
+    "| stream | guard on req/s (median) | guard off req/s (median) "
+    "| on / off, median of rounds (range) | CPU s / 1k req on | off | guard share of CPU |\n"
+    "| --- | --- | --- | --- | --- | --- | --- |"
+)
 
 
 def main() -> int:
@@ -85,8 +90,7 @@ one read: the guard sees bursts); wrk at concurrency {args.conc}, {args.rounds}
 alternating rounds of {args.duration:g} s per side. Target: guard-on costs under
 10 % of relay throughput (ratio ≥ 90 %).
 
-| stream | guard on req/s (median) | guard off req/s (median) | on / off, median of rounds (range) | CPU s / 1k req on | off | guard share of CPU |
-| --- | --- | --- | --- | --- | --- | --- |
+{HEADER}
 {chr(10).join(rows)}
 """
     )
