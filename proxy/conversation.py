@@ -10,6 +10,7 @@ turn.
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -87,6 +88,20 @@ def surely_fits(messages: list[dict[str, Any]], budget: int) -> bool:
     return True
 
 
-def make_turn(ctx: SessionContext, assistant: str) -> Turn:
+class TurnIds:
+    """Unique turn ids without a urandom call per answer: a random prefix per
+    instance, then a counter."""
+
+    __slots__ = ("_count", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = uuid.uuid4().hex[:16]
+        self._count = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}-{next(self._count)}"
+
+
+def make_turn(ctx: SessionContext, assistant: str, turn_id: str) -> Turn:
     # A fresh id per answer: a save retried after a timeout is stored once.
-    return Turn(user=ctx.user_text, assistant=assistant, id=uuid.uuid4().hex)
+    return Turn(user=ctx.user_text, assistant=assistant, id=turn_id)

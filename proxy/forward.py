@@ -322,6 +322,7 @@ class Flow:
             idle_s=up.policy.timeouts.idle_s,
             keep=self.can_rescue(up) or self.session is not None,
             guard=sg,
+            end_response=self.session is None,
         )
         if not result.started:
             assert result.response is not None
@@ -459,6 +460,7 @@ class Flow:
                 client=client,
                 keep=True,
                 guard=guard,
+                end_response=self.session is None,
             )
         finally:
             if resp.content.is_eof():
@@ -611,7 +613,9 @@ class Flow:
             return
         rt = self.rt
         # A store outage queues the turn (in order) instead of losing it.
-        if await rt.pending_saves.save(rt.store, ctx.key, make_turn(ctx, assistant)):
+        if await rt.pending_saves.save(
+            rt.store, ctx.key, make_turn(ctx, assistant, rt.turn_ids.next())
+        ):
             ctx.saved = True
             rt.metrics.session_ops.labels("save", "ok").inc()
         else:

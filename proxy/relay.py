@@ -199,6 +199,7 @@ async def relay_stream(
     client: web.StreamResponse | None = None,
     keep: bool = False,
     guard: StreamGuard | None = None,
+    end_response: bool = True,
 ) -> StreamResult:
     """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
 
@@ -210,6 +211,9 @@ async def relay_stream(
     `error_event`) and the caller either rescues the stream or ends it with
     `end_with_error`. With `keep`, the forwarded regions are kept, so the
     partial answer can be recovered without decoding every chunk on the way.
+    With `end_response`, a complete answer also ends the HTTP response (one
+    send); without it the caller still has work before the client may see
+    the end (a session save: the next turn must find this one).
     """
     if client is None:
         client = web.StreamResponse(status=200, headers=headers)
@@ -320,8 +324,11 @@ async def relay_stream(
                 end = region.find(b"\n\n", done_at) + 2
                 if end < len(region):
                     region = region[:end]
-                # The last chunk and the chunked-encoding terminator in one send.
-                await client.write_eof(region)
+                if end_response:
+                    # The last chunk and the chunked-encoding terminator in one send.
+                    await client.write_eof(region)
+                else:
+                    await write(region)
                 if kept is not None:
                     kept.append(region)
                 result.outcome = "complete"

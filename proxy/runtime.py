@@ -22,6 +22,7 @@ from prometheus_client import Counter
 from proxy.admission import Admission, Priority
 from proxy.breaker import STATE_VALUES
 from proxy.config import Policy
+from proxy.conversation import TurnIds
 from proxy.guard import Guard
 from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
@@ -78,6 +79,7 @@ class Runtime:
             max_turns=pol.sessions.max_turns,
         )
         self.counters: dict[str, TokenCounter] = {}
+        self.turn_ids = TurnIds()
         self.pending_saves = PendingSaves(
             pol.sessions.pending_saves,
             on_saved=lambda: m.session_ops.labels("save", "late").inc(),

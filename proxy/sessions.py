@@ -38,12 +38,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.knobs import knob
+from proxy.redisbatch import ScriptBatcher
 from proxy.trim import TrimPolicy
 
 __all__ = [
@@ -392,8 +394,7 @@ class RedisSessionStore:
         self._max_turns = max_turns
         self._timeout_s = timeout_s
         self._clock = clock
-        self._load_script = client.register_script(_LOAD_LUA)
-        self._append_script = client.register_script(_APPEND_LUA)
+        self._scripts = ScriptBatcher(client, {"load": _LOAD_LUA, "append": _APPEND_LUA}, timeout_s)
         self._healthy = True
         self._last_error: str | None = None
         self._stragglers: set[asyncio.Future[Any]] = set()  # timed-out operations
@@ -457,6 +458,20 @@ class RedisSessionStore:
             self._healthy = True
         return result
 
+    async def _script(self, op: str, keys: list[str], args: list[Any]) -> Any:
+        """A script call, batched with concurrent ones (`proxy.redisbatch`).
+        Abandoning the plain future at the deadline is immediate."""
+        try:
+            result = await self._scripts.call(op, keys, args)  # fails at the deadline
+        except TimeoutError:
+            raise self._failed(op, f"timed out after {self._timeout_s}s") from None
+        except (RedisError, OSError) as exc:
+            raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
+        if not self._healthy:
+            log.warning("session store available again")
+            self._healthy = True
+        return result
+
     def _reap(self, task: asyncio.Future[Any]) -> None:
         self._stragglers.discard(task)
         if not task.cancelled():
@@ -471,9 +486,7 @@ class RedisSessionStore:
 
     async def load(self, key: str) -> list[dict[str, str]]:
         now = int(self._clock())
-        raw = await self._call(
-            "load", lambda: self._load_script(keys=[key], args=[self._ttl_s, now])
-        )
+        raw = await self._script("load", [key], [self._ttl_s, now])
         if raw is None:
             return []
         try:
@@ -502,13 +515,10 @@ class RedisSessionStore:
             raise ValueError("max_turns and ttl_s must be >= 1")
         if not new_turns:  # nothing to store; an empty append must not create a session
             return len(await self.load(key)) // 2
-        payload = json.dumps(_turn_messages(new_turns), ensure_ascii=False)
-        ids = json.dumps([t.id for t in new_turns])
+        payload = orjson.dumps(_turn_messages(new_turns))
+        ids = orjson.dumps([t.id for t in new_turns])
         now = int(self._clock())
-        n = await self._call(
-            "append",
-            lambda: self._append_script(keys=[key], args=[payload, keep, ttl, now, ids]),
-        )
+        n = await self._script("append", [key], [payload, keep, ttl, now, ids])
         return int(n) // 2
 
     async def delete(self, key: str) -> None:
@@ -522,6 +532,7 @@ class RedisSessionStore:
         return True
 
     async def close(self) -> None:
+        await self._scripts.close()
         for task in list(self._stragglers):
             task.cancel()
         await asyncio.gather(*self._stragglers, return_exceptions=True)

@@ -308,3 +308,50 @@ async def test_a_retried_append_is_stored_once(
     await store.append(key, [Turn("q2", "a2", id="t-2")])
     history = await store.load(key)
     assert [m["content"] for m in history] == ["q", "a", "q2", "a2"]
+
+
+async def test_concurrent_calls_share_pipelines(
+    shared_redis: aioredis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loads and appends from concurrent requests go out together: far fewer
+    pipelines than calls, and every caller still gets its own answer."""
+    store = _store(max_connections=4)
+    sent: list[int] = []
+    real = store._scripts._pipeline
+
+    async def counting(calls: list) -> list:  # type: ignore[type-arg]
+        sent.append(len(calls))
+        return await real(calls)
+
+    monkeypatch.setattr(store._scripts, "_pipeline", counting)
+    keys = [session_key(key_prefix, f"batch{i}", None) for i in range(30)]
+    try:
+        await asyncio.gather(
+            *(store.append(k, [Turn(f"q{i}", f"a{i}")]) for i, k in enumerate(keys))
+        )
+        histories = await asyncio.gather(*(store.load(k) for k in keys))
+        for i, h in enumerate(histories):
+            assert [m["content"] for m in h] == [f"q{i}", f"a{i}"]
+        assert sum(sent) == 60
+        assert len(sent) <= 4, sent  # 30 appends, then 30 loads: a batch or two each
+    finally:
+        await store.close()
+
+
+async def test_scripts_flushed_from_redis_are_loaded_again(private_redis: PrivateRedis) -> None:
+    """After a Redis restart (or SCRIPT FLUSH) the first calls get NOSCRIPT;
+    they are retried after SCRIPT LOAD instead of failing. (A private server:
+    flushing the shared one would disturb its other users.)"""
+    store = _store(private_redis.url)
+    admin = aioredis.from_url(private_redis.url)
+    key = session_key("t:", "noscript", None)
+    try:
+        await store.append(key, [Turn("q0", "a0")])
+        await admin.script_flush()
+        results = await asyncio.gather(store.load(key), store.append(key, [Turn("q1", "a1")]))
+        assert [m["content"] for m in results[0]] == ["q0", "a0"]
+        assert results[1] == 2
+        assert store.healthy
+    finally:
+        await admin.aclose()
+        await store.close()
