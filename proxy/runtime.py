@@ -358,6 +358,7 @@ class Runtime:
                 "store": self.policy.sessions.store.split("@")[-1],
                 "healthy": self.store.healthy,
                 "last_error": self.store.last_error,
+                "saves_waiting": len(self.pending_saves),
             },
             "shared": self.shared.snapshot() if self.shared is not None else {"enabled": False},
             "policy": {"source": self.policy.source},
