@@ -91,6 +91,9 @@ async def test_engine_death_recovery_and_maintenance(
         proxy = await start_proxy(policy_for(live_vllm_server.base_url, fb.url))
         await wait_tier(proxy, "normal", 10)
         client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+        # The client's first call builds its HTTP client (seconds on a busy
+        # box): do it now, not while vLLM races through the answers.
+        await client.models.list()
         started = [asyncio.Event() for _ in range(6)]
 
         async def one(i: int) -> tuple[str, str]:
@@ -124,7 +127,14 @@ async def test_engine_death_recovery_and_maintenance(
             engine = pids["VLLM::EngineCore"] + pids["VLLM::Worker"]
             assert engine
             tasks = [asyncio.create_task(one(i)) for i in range(6)]
-            await asyncio.gather(*(e.wait() for e in started))
+            # Kill as soon as one client is reading: vLLM writes 1,000 tokens in
+            # under a second here, and waiting for all six clients' first
+            # chunks let it finish every answer first on some runs, leaving
+            # nothing to rescue.
+            first = [asyncio.create_task(e.wait()) for e in started]
+            await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+            for f in first:
+                f.cancel()
             killed_wall = time.time()
             for pid in engine:
                 os.kill(pid, signal.SIGKILL)
