@@ -22,7 +22,9 @@ STREAMS = 64
 BODY = {
     "model": "tiny",
     "messages": [{"role": "user", "content": "Tell me a story about a lighthouse."}],
-    "max_tokens": 48,
+    # Long enough that vLLM's queue lasts a few of the sampler's /metrics reads
+    # (at 48 tokens a fast engine drained 64 requests between two reads).
+    "max_tokens": 128,
     "temperature": 1.0,
     "stream": True,
     "ignore_eos": True,
