@@ -35,6 +35,14 @@ MIN_RUN_BYTES: Final = 2048
 MAX_LEARN_FAILURES: Final = 4
 
 
+def single_choice_events(region: bytes) -> bool:
+    """Every event of `region` is one `data:` line of a chunk with one choice,
+    index 0 (`"choices":[{"index":0,` and no other `"index"` key): k such
+    events need k of each marker and 2k newlines. Three C scans."""
+    k = region.count(b'"choices":[{"index":0,') or region.count(b'"choices": [{"index": 0, ')
+    return bool(k) and region.count(b'"index":') == k and region.count(b"\n") == 2 * k
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     """`region[start:end]` is `len(literals)` text chunks of one envelope."""
@@ -114,9 +122,7 @@ class ChunkRuns:
         ok = (
             event.startswith(b"data: {")
             and event.endswith(b"}\n\n")
-            and event.count(b"\n") == 2
-            and event.count(b'"index":') == 1
-            and (b'"choices":[{"index":0,' in event or b'"choices": [{"index": 0, ' in event)
+            and single_choice_events(event)
         )
         m = None
         if ok:

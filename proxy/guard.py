@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
-from proxy.chunkrun import CONTENT_RE, TEXT_RE, Run
+from proxy.chunkrun import CONTENT_RE, TEXT_RE, Run, single_choice_events
 from proxy.knobs import knob
 from proxy.sse import DONE, DONE_EVENT, SSEParser, error_events
 
@@ -479,10 +479,6 @@ class StreamGuard:
 
     # -- fast path ----------------------------------------------------------------
 
-    def _fast_shape(self, region: bytes) -> bool:
-        k = region.count(b'"choices":[{"index":0,') or region.count(b'"choices": [{"index": 0, ')
-        return bool(k) and region.count(b'"index":') == k and region.count(b"\n") == 2 * k
-
     def _fast(self, region: bytes) -> GuardVerdict | None:
         """None when the region needs the slow path (before any state changed).
 
@@ -497,7 +493,7 @@ class StreamGuard:
             region.startswith(b"data: {") and region.endswith(b"}\n\n") and not self._g.strict_json
         ):
             return None
-        if not self._fast_shape(region):
+        if not single_choice_events(region):
             return None
         cre = self._content_re
         if cre is None:

@@ -24,7 +24,7 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from proxy.chunkrun import ChunkRuns
+from proxy.chunkrun import ChunkRuns, Run
 from proxy.errors import error_body
 from proxy.guard import StreamGuard, Trip
 from proxy.sse import (
@@ -56,9 +56,21 @@ def has_finish_reason(data: bytes) -> bool:
     return b'"finish_reason":"' in data or b'"finish_reason": "' in data
 
 
-def markers(region: bytes, offset: int) -> tuple[int, int, bool, int]:
+def markers(region: bytes, run: Run | None = None) -> tuple[int, int, bool, int]:
     """(events, first error event, any finish_reason, [DONE]) of a region of
-    whole events; positions are `offset` + the index in `region`, -1 if none."""
+    whole events, positions -1 if none. A run of plain text chunks holds none
+    of the markers, so only the events around it are searched."""
+    if run is None:
+        return _search(region, 0)
+    events, err_at, finished, done_at = _search(region[: run.start], 0)
+    if err_at < 0 and done_at < 0:
+        more, err_at, fin, done_at = _search(region[run.end :], run.end)
+        events += more
+        finished = finished or fin
+    return events + len(run.literals), err_at, finished, done_at
+
+
+def _search(region: bytes, offset: int) -> tuple[int, int, bool, int]:
     err_at = find_line(region, b'data: {"error"')
     done_at = find_line(region, b"data: [DONE]")
     return (
@@ -295,15 +307,7 @@ async def relay_stream(
             # line ends, and these markers can only match at a line start. A
             # run of plain text chunks holds none of them: only the events
             # around it are searched.
-            if run is None:
-                events, err_at, finished, done_at = markers(region, 0)
-            else:
-                events, err_at, finished, done_at = markers(region[: run.start], 0)
-                if err_at < 0 and done_at < 0:
-                    more, err_at, fin, done_at = markers(region[run.end :], run.end)
-                    events += more
-                    finished = finished or fin
-                events += len(run.literals)
+            events, err_at, finished, done_at = markers(region, run)
             result.events += events
             if err_at >= 0:
                 # Forward what came before the error; the caller decides how
