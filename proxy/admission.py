@@ -25,29 +25,10 @@ import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
-from proxy.knobs import knob
+from proxy.policy import PRIORITIES, AdmissionPolicy, Priority
 
-Priority = Literal["critical", "normal", "sheddable"]
-PRIORITIES: tuple[Priority, ...] = ("critical", "normal", "sheddable")
 _RANK = {"critical": 0, "normal": 1, "sheddable": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionPolicy:
-    max_inflight: int = knob(64, "Requests in flight at once; normally vLLM's --max-num-seqs.")
-    queue_size: int = knob(64, "Requests that may wait for a slot; beyond it, 429.")
-    queue_timeout_s: float = knob(
-        10.0, "Longest wait for a slot; a request expected to wait longer is refused at once."
-    )
-    default_priority: Priority = knob(
-        "normal", "Priority of requests without `X-Priority` (critical, normal, sheddable)."
-    )
-    key_priorities: tuple[str, ...] = knob(
-        (),
-        "`API_KEY=priority` pairs giving a client key a priority (the header may only lower it).",
-    )
 
 
 class Rejected(Exception):

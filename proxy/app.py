@@ -12,9 +12,9 @@ import aiohttp
 from aiohttp import web
 
 from proxy import handlers
-from proxy.config import Policy
 from proxy.keys import STATE
 from proxy.metrics import Metrics
+from proxy.policy import Policy
 from proxy.pressure import parse_vllm_metrics
 from proxy.state import ProxyState, watch_policy
 from proxy.statuspage import setup_status_page

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from proxy.config import PolicyError, load_policy
+    from proxy.policy import PolicyError, load_policy
     from proxy.server import run
 
     try:
@@ -26,10 +26,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from proxy.config import PolicyError, load_policy
+    from proxy.policy import PolicyError, load_policy
 
     if args.diff:
-        from proxy.state import policy_diff
+        from proxy.policy import policy_diff
 
         try:
             old, new = load_policy(args.file), load_policy(args.diff)
@@ -50,6 +50,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         return 1
     print(f"{args.file}: ok")
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from proxy.policy.jsonschema import render
+
+    sys.stdout.write(render(faq=args.faq))
     return 0
 
 
@@ -83,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", help="the policy (OLD with --diff)")
     check.add_argument("--diff", metavar="NEW", default=None, help="compare FILE with NEW")
     check.set_defaults(func=_cmd_check)
+
+    schema = sub.add_parser(
+        "schema", help="print the policy's JSON Schema (draft 2020-12), for editors and CI"
+    )
+    schema.add_argument(
+        "--faq", action="store_true", help="the schema of an FAQ file (faq.file) instead"
+    )
+    schema.set_defaults(func=_cmd_schema)
 
     fb = sub.add_parser("fallback-server", help="run the Transformers OpenAI-compatible server")
     fb.add_argument("--model", required=True, help="model directory (local, no hub downloads)")

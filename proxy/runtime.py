@@ -19,14 +19,14 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from proxy.admission import Admission, Priority
+from proxy.admission import Admission
 from proxy.breaker import STATE_VALUES
-from proxy.config import Policy
 from proxy.conversation import TurnIds
 from proxy.guard import Guard
 from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
+from proxy.policy import Policy, Priority
 from proxy.pressure import PressureMonitor, next_limit
 from proxy.saves import PendingSaves
 from proxy.sessions import MemorySessionStore, SessionStore

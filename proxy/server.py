@@ -10,9 +10,9 @@ import structlog
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.config import Policy
 from proxy.keys import STATE
 from proxy.logs import configure_logging
+from proxy.policy import Policy
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

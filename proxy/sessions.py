@@ -44,9 +44,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from proxy.knobs import knob
+from proxy.policy import SessionsPolicy
 from proxy.redisbatch import ScriptBatcher
-from proxy.trim import TrimPolicy
 
 __all__ = [
     "MemorySessionStore",
@@ -63,42 +62,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-
-
-@dataclass(frozen=True, slots=True)
-class SessionsPolicy:
-    store: str = knob("memory://", "`memory://` or `redis://host:port/db`.")
-    ttl_s: int = knob(86400, "Session lifetime, refreshed on use.")
-    max_turns: int = knob(20, "Turns kept per session.")
-    key_prefix: str = knob("brownout:", "Prefix of every Redis key.")
-    redis_timeout_s: float = knob(
-        0.25,
-        "Deadline of one Redis operation (connect included); past it the request goes "
-        "on without history instead of waiting.",
-    )
-    redis_max_connections: int = knob(
-        32, "Redis connection pool size; a request waits at most redis_timeout_s for one."
-    )
-    max_sessions: int = knob(
-        10000, "memory:// only: sessions kept; the least recently used are evicted."
-    )
-    pending_saves: int = knob(
-        10000,
-        "Finished turns kept in memory while the store is down, saved in order when it "
-        "returns (past this, the oldest is dropped and counted).",
-    )
-    trimming: TrimPolicy = knob(TrimPolicy, "Fitting history into the context window.")
-
-    def __post_init__(self) -> None:
-        # Raised errors are reported by the config loader at the section's line.
-        if self.ttl_s < 1:
-            raise ValueError("ttl_s must be >= 1")
-        if self.redis_timeout_s <= 0:
-            raise ValueError("redis_timeout_s must be > 0")
-        if self.redis_max_connections < 1:
-            raise ValueError("redis_max_connections must be >= 1")
-        if self.max_sessions < 1:
-            raise ValueError("max_sessions must be >= 1")
 
 
 # --------------------------------------------------------------------------- errors

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -28,8 +27,8 @@ from typing import Any
 
 import structlog
 
-from proxy.config import Policy, PolicyError, load_policy
 from proxy.metrics import TIER_VALUES, Metrics
+from proxy.policy import Policy, PolicyError, load_policy, policy_diff
 from proxy.runtime import Runtime
 from proxy.sessions import make_store
 from proxy.shared import SharedState
@@ -41,36 +40,6 @@ log = structlog.get_logger("brownout.policy")
 # A replaced generation's resources are closed when its requests are done,
 # or after this long at most (a stream can run for minutes).
 _DRAIN_LIMIT_S = 900.0
-
-
-def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """`a.b.c: value` pairs of a policy, for diffs."""
-    out: dict[str, Any] = {}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            if f.metadata.get("internal"):
-                continue
-            out.update(flatten(getattr(obj, f.name), f"{prefix}{f.name}."))
-        return out
-    out[prefix[:-1]] = obj
-    return out
-
-
-def policy_diff(old: Policy, new: Policy) -> list[str]:
-    """What a reload from `old` to `new` would change, one line per knob."""
-    a, b = flatten(old), flatten(new)
-    lines = []
-    for key in sorted(a.keys() | b.keys()):
-        if key not in a:
-            lines.append(f"+ {key}: {b[key]!r}")
-        elif key not in b:
-            lines.append(f"- {key}: {a[key]!r}")
-        elif a[key] != b[key]:
-            shown_a, shown_b = a[key], b[key]
-            if "token" in key or "api_key" in key:
-                shown_a = shown_b = "<redacted>"
-            lines.append(f"~ {key}: {shown_a!r} -> {shown_b!r}")
-    return lines
 
 
 class ProxyState:

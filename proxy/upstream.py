@@ -17,8 +17,8 @@ import aiohttp
 import structlog
 from yarl import URL
 
-from proxy.breaker import BackendBreaker, BreakerPolicy
-from proxy.config import BackendPolicy
+from proxy.breaker import BackendBreaker
+from proxy.policy import BackendPolicy, BreakerPolicy
 
 log = structlog.get_logger("brownout.upstream")
 

@@ -6,16 +6,8 @@ import asyncio
 
 import pytest
 
-from proxy.config import PolicyError, parse_policy
-from proxy.sessions import (
-    MemorySessionStore,
-    SessionIdError,
-    SessionsPolicy,
-    Turn,
-    make_store,
-    session_key,
-)
-from proxy.trim import TrimPolicy
+from proxy.policy import PolicyError, SessionsPolicy, TrimPolicy, parse_policy
+from proxy.sessions import MemorySessionStore, SessionIdError, Turn, make_store, session_key
 
 
 class Clock:

@@ -9,14 +9,8 @@ from collections.abc import Awaitable
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.sessions import (
-    RedisSessionStore,
-    SessionsPolicy,
-    SessionStoreUnavailable,
-    Turn,
-    make_store,
-    session_key,
-)
+from proxy.policy import SessionsPolicy
+from proxy.sessions import RedisSessionStore, SessionStoreUnavailable, Turn, make_store, session_key
 from tests.harness.procs import free_port
 from tests.sessions.conftest import SHARED_REDIS_URL, PrivateRedis
 

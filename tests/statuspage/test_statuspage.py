@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from proxy import statuspage
-from proxy.config import parse_policy
 from proxy.metrics import Metrics
+from proxy.policy import parse_policy
 from proxy.state import ProxyState
 from proxy.statuspage import STATUS_PAGE, Series, csp_for, histogram_quantile, load_page
 from tests.statuspage.conftest import (

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.breaker import BackendBreaker, BreakerPolicy
+from proxy.breaker import BackendBreaker
+from proxy.policy import BreakerPolicy
 
 
 class Clock:
