@@ -26,7 +26,7 @@ from proxy.guard import Guard
 from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
-from proxy.policy import Policy, Priority
+from proxy.policy import Policy, Priority, redact_url
 from proxy.pressure import PressureMonitor, next_limit
 from proxy.saves import PendingSaves
 from proxy.sessions import MemorySessionStore, SessionStore
@@ -306,7 +306,7 @@ class Runtime:
         for name, up in self.upstreams.items():
             h = up.health
             backends[name] = {
-                "url": up.policy.url,
+                "url": redact_url(up.policy.url),
                 "kind": up.policy.kind,
                 "healthy": h.healthy,
                 "down": up.down,
@@ -355,7 +355,7 @@ class Runtime:
                 },
             },
             "sessions": {
-                "store": self.policy.sessions.store.split("@")[-1],
+                "store": redact_url(self.policy.sessions.store),
                 "healthy": self.store.healthy,
                 "last_error": self.store.last_error,
                 "saves_waiting": len(self.pending_saves),
