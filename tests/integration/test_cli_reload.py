@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "reload-test-token"
 
 
-def write_policy(path: Path, *, max_inflight: int = 16, admin: bool = True, extra: str = "") -> None:
+def write_policy(
+    path: Path, *, max_inflight: int = 16, admin: bool = True, extra: str = ""
+) -> None:
     server = f"server:\n  admin_token: {TOKEN}\n" if admin else ""
     path.write_text(
         f"{server}"
