@@ -19,20 +19,22 @@ setup-run: $(RUN_STAMP)
 # torch first, pinned to the CPU wheel that lies on these machines' disk;
 # a bare `torch` requirement would pull a multi-GB CUDA build.
 $(RUN_STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[fallback]'
-	rm -f $(VENV)/.installed-*
-	touch $@
+	@echo "== installing the proxy, the fallback server and torch (CPU) into $(VENV) (once, about a minute)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) torch==2.13.0
+	@$(PIP) -e '.[fallback]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
 
 $(TEST_STAMP): $(RUN_STAMP)
-	$(PIP) -e '.[fallback,test]'
-	touch $@
+	@echo "== installing the test and lint tools into $(VENV)"
+	@$(PIP) -e '.[fallback,test]'
+	@touch $@
 
 # The proxy on :8080 in front of the fallback server on the tiny model (:8001);
 # a vLLM on :8000 is used as the primary when one runs.
 run: setup-run
-	PATH=$(VENV)/bin:$$PATH scripts/quickstart.sh
+	@PATH=$(VENV)/bin:$$PATH scripts/quickstart.sh
 
 # The vLLM CPU build used by the real-server tests (cached outside the repo).
 vllm-venv:

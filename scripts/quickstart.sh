@@ -39,7 +39,7 @@ wait_for() {
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
     echo "== generating the tiny model in $MODEL_DIR (offline, a few seconds)"
-    brownout make-tiny-model "$MODEL_DIR"
+    HF_HUB_DISABLE_PROGRESS_BARS=1 brownout make-tiny-model "$MODEL_DIR"
 fi
 
 echo "== starting the fallback server on :$FALLBACK_PORT"
