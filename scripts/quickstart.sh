@@ -6,7 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODEL_DIR="${BROWNOUT_TINY_MODEL_DIR:-$HOME/.cache/brownout/tiny-model-v1}"
+# Versioned like the tests' cache, so a new tiny-model format is generated anew.
+TINY_VERSION="$(python3 -c 'from proxy.tinymodel import TINY_MODEL_VERSION as v; print(v)')"
+MODEL_DIR="${BROWNOUT_TINY_MODEL_DIR:-$HOME/.cache/brownout/tiny-model-v$TINY_VERSION}"
 FALLBACK_PORT="${BROWNOUT_FALLBACK_PORT:-8001}"
 PORT="${BROWNOUT_PORT:-8080}"
 URL="http://127.0.0.1:$PORT"
@@ -37,7 +39,8 @@ wait_for() {
     exit 1
 }
 
-if [ ! -f "$MODEL_DIR/config.json" ]; then
+if ! python3 -c 'import sys; from proxy.tinymodel import is_tiny_model as ok; sys.exit(not ok(sys.argv[1]))' \
+    "$MODEL_DIR"; then
     echo "== generating the tiny model in $MODEL_DIR (offline, a few seconds)"
     HF_HUB_DISABLE_PROGRESS_BARS=1 brownout make-tiny-model "$MODEL_DIR"
 fi
