@@ -279,6 +279,8 @@ def status_event(state: ProxyState, sp: StatusPage, cursor: int | None) -> tuple
     body = state.status()
     body["version"] = __version__
     body["now"] = round(time.time(), 3)
+    # The page shows its operator panel only when the admin endpoints answer.
+    body["admin"] = {"enabled": bool(state.current.policy.server.admin_token)}
     body["series"] = {
         "interval_s": sp.series.interval_s,
         "window_s": sp.series.window_s,

@@ -236,6 +236,19 @@ async def test_events_start_with_status_then_push_a_forced_tier_at_once(
         assert time.monotonic() - t0 < 1.0
 
 
+@pytest.mark.parametrize("admin", [True, False])
+async def test_events_say_whether_the_admin_endpoints_answer(
+    llm: FakeLLM, status_proxies: list[StatusProxy], admin: bool
+) -> None:
+    # The page shows its operator panel only when this is true.
+    p = await start_status_proxy(status_proxies, status_policy(llm.url, admin=admin))
+    async with p.session.get(p.url + "/brownout/events") as resp:
+        first = await _next_status(read_events(resp))
+    assert first["admin"] == {"enabled": admin}
+    async with p.session.post(p.url + "/brownout/tier", json={"tier": None}, headers=ADMIN) as r:
+        assert r.status == (200 if admin else 403)
+
+
 async def test_events_carry_a_growing_series(
     llm: FakeLLM, status_proxies: list[StatusProxy]
 ) -> None:
