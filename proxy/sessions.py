@@ -23,6 +23,12 @@ answer, and concurrent appends to one session are all kept, in commit order.
 Redis layout: hash `{prefix}session:{scope}:{id}` with fields `history` (JSON
 list of the last `max_turns` turns' messages) and `last_active` (unix
 seconds); its TTL (`ttl_s`) is refreshed by every load and append.
+
+Text is stored losslessly: a lone surrogate (the JSON escape `\\ud800`, legal
+in a request and in model output, not representable in UTF-8) is written as
+its WTF-8 bytes (`surrogatepass`) and read back as the same code point, so a
+turn is stored exactly as the client and the model produced it. Valid text
+is plain UTF-8, byte for byte.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from proxy.knobs import knob
 from proxy.redisbatch import ScriptBatcher
@@ -54,10 +60,13 @@ __all__ = [
     "SessionIdError",
     "SessionStore",
     "SessionStoreUnavailable",
+    "SessionTurnRejected",
     "SessionsPolicy",
     "Turn",
+    "encode_json",
     "make_store",
     "session_key",
+    "store_identity",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,6 +119,12 @@ class SessionIdError(ValueError):
 
 class SessionStoreUnavailable(Exception):
     """The session store did not answer in time or failed; the request can go on without it."""
+
+
+class SessionTurnRejected(SessionStoreUnavailable):
+    """The store answered, but refused these turns (a script error on their
+    contents): retrying the same turns cannot succeed, so a queue of waiting
+    saves must not wait behind them forever."""
 
 
 # --------------------------------------------------------------------------- keys
@@ -189,6 +204,19 @@ class SessionStore(Protocol):
 
     async def close(self) -> None: ...
 
+    def retune(self, policy: SessionsPolicy) -> None:
+        """Apply the knobs that need no new connection (ttl_s, max_turns,
+        max_sessions) in place: a reload keeps the store and its sessions."""
+        ...
+
+
+def store_identity(policy: SessionsPolicy) -> tuple[Any, ...]:
+    """What a store object is built from; a reload that changes any other
+    `sessions.*` knob keeps the running store (and, for memory://, its sessions)."""
+    if policy.store == "memory://":
+        return (policy.store,)
+    return (policy.store, policy.redis_timeout_s, policy.redis_max_connections)
+
 
 def make_store(policy: SessionsPolicy, *, clock: Clock = time.time) -> SessionStore:
     """The store the policy names (no I/O: Redis connects on first use)."""
@@ -211,6 +239,16 @@ def make_store(policy: SessionsPolicy, *, clock: Clock = time.time) -> SessionSt
 
 def _turn_messages(turns: Sequence[Turn]) -> list[dict[str, str]]:
     return [m for t in turns for m in t.messages()]
+
+
+def encode_json(obj: Any) -> bytes:
+    """JSON bytes of any decoded JSON value: orjson's (fast, strict UTF-8),
+    or WTF-8 when the text holds a lone surrogate (orjson refuses it, and
+    Redis' cjson refuses its `\\udXXX` escape; raw bytes it keeps as they are)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 # --------------------------------------------------------------------------- memory://
@@ -306,6 +344,15 @@ class MemorySessionStore:
     async def close(self) -> None:
         self._entries.clear()
 
+    def retune(self, policy: SessionsPolicy) -> None:
+        # Lifetimes already granted stay; the new ttl applies from the next use.
+        self.ttl_s, self.max_turns, self.max_sessions = (
+            policy.ttl_s,
+            policy.max_turns,
+            policy.max_sessions,
+        )
+        self._evict(self.clock())
+
 
 # --------------------------------------------------------------------------- redis://
 
@@ -370,6 +417,13 @@ return #history
 """
 
 
+def _is_script_error(exc: ResponseError) -> bool:
+    """A Lua runtime error (bad arguments), as opposed to the server refusing
+    work (OOM, READONLY, BUSY, ...), which is an outage like any other."""
+    text = str(exc)
+    return "user_script" in text or "Error running script" in text
+
+
 class RedisSessionStore:
     """Sessions in Redis through one pooled asyncio client.
 
@@ -420,6 +474,8 @@ class RedisSessionStore:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
+            # Reads back the WTF-8 that `encode_json` writes for lone surrogates.
+            encoding_errors="surrogatepass",
         )
         client = aioredis.Redis.from_pool(pool)  # the client owns and closes the pool
         return cls(client, ttl_s=ttl_s, max_turns=max_turns, timeout_s=timeout_s, clock=clock)
@@ -465,7 +521,14 @@ class RedisSessionStore:
             result = await self._scripts.call(op, keys, args)  # fails at the deadline
         except TimeoutError:
             raise self._failed(op, f"timed out after {self._timeout_s}s") from None
-        except (RedisError, OSError) as exc:
+        except ResponseError as exc:
+            if not _is_script_error(exc):
+                raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
+            # The store works; these arguments do not (e.g. text the script
+            # cannot decode). Not an outage: `healthy` stays as it is.
+            log.warning("session store refused %s: %s", op, exc)
+            raise SessionTurnRejected(f"session store refused {op}: {exc}") from exc
+        except (RedisError, OSError, UnicodeDecodeError) as exc:
             raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
         if not self._healthy:
             log.warning("session store available again")
@@ -515,8 +578,8 @@ class RedisSessionStore:
             raise ValueError("max_turns and ttl_s must be >= 1")
         if not new_turns:  # nothing to store; an empty append must not create a session
             return len(await self.load(key)) // 2
-        payload = orjson.dumps(_turn_messages(new_turns))
-        ids = orjson.dumps([t.id for t in new_turns])
+        payload = encode_json(_turn_messages(new_turns))
+        ids = encode_json([t.id for t in new_turns])
         now = int(self._clock())
         n = await self._script("append", [key], [payload, keep, ttl, now, ids])
         return int(n) // 2
@@ -530,6 +593,9 @@ class RedisSessionStore:
         except SessionStoreUnavailable:
             return False
         return True
+
+    def retune(self, policy: SessionsPolicy) -> None:
+        self._ttl_s, self._max_turns = policy.ttl_s, policy.max_turns
 
     async def close(self) -> None:
         await self._scripts.close()
