@@ -35,9 +35,9 @@ from tests.integration.test_sessions_flow import (
     user,
     wait_for,
 )
-from tests.integration.test_sessions_flow import key_prefix as key_prefix  # noqa: F401
-from tests.integration.test_sessions_flow import private_redis as private_redis  # noqa: F401
-from tests.integration.test_sessions_flow import shared_redis as shared_redis  # noqa: F401
+from tests.integration.test_sessions_flow import key_prefix as key_prefix
+from tests.integration.test_sessions_flow import private_redis as private_redis
+from tests.integration.test_sessions_flow import shared_redis as shared_redis
 
 pytestmark = pytest.mark.real
 
@@ -68,8 +68,8 @@ def key_of(prefix: str, sid: str) -> str:
 async def test_lone_surrogates_are_answered_stored_and_read_back(
     fake_upstream: FakeUpstream,
     start_proxy: ProxyFactory,
-    shared_redis: aioredis.Redis,  # noqa: F811
-    key_prefix: str,  # noqa: F811
+    shared_redis: aioredis.Redis,
+    key_prefix: str,
     stream: bool,
 ) -> None:
     chat = ChatFake(fake_upstream, answer=answer_with_surrogate)
@@ -101,8 +101,8 @@ async def test_lone_surrogates_are_answered_stored_and_read_back(
 async def test_a_surrogate_turn_queued_in_an_outage_does_not_block_later_saves(
     fake_upstream: FakeUpstream,
     start_proxy: ProxyFactory,
-    private_redis: PrivateRedis,  # noqa: F811
-    key_prefix: str,  # noqa: F811
+    private_redis: PrivateRedis,
+    key_prefix: str,
 ) -> None:
     chat = ChatFake(fake_upstream)
     proxy = await start_proxy(
