@@ -271,7 +271,11 @@ class Runtime:
 
     def _evaluate_now(self) -> None:
         self._evaluate_soon = None
-        self.evaluate()
+        try:
+            self.evaluate()
+        except Exception as exc:  # a loop callback: asyncio would only print it
+            assert self.supervisor is not None
+            self.supervisor.failed("evaluate_soon", exc)
 
     def report_success(self, up: Upstream) -> None:
         up.breaker.record_success()

@@ -9,8 +9,8 @@ from collections.abc import Awaitable
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.redis_sessions import RedisSessionStore
 from proxy.sessions import (
-    RedisSessionStore,
     SessionsPolicy,
     SessionStoreUnavailable,
     SessionTurnRejected,
