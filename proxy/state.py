@@ -184,7 +184,14 @@ class ProxyState:
                     up.served_model = old.served_model
                     up.max_model_len = bp.max_model_len or old.max_model_len
             rt.add_upstream(up)
-            if prev is not None and up is old and name in prev.counters:
+            if (
+                prev is not None
+                and old is not None
+                and old.policy.tokenizer == bp.tokenizer
+                and name in prev.counters
+                and (up is old or bp.tokenizer)
+            ):
+                # The same tokenizer files: loading them again takes seconds.
                 rt.counters[name] = prev.counters[name]
             elif bp.tokenizer:
                 rt.counters[name] = await HFTokenCounter.load(bp.tokenizer)
@@ -230,9 +237,9 @@ class ProxyState:
                 log.error("policy_reload_failed", reason=reason, exc_info=True)
                 why = f"{path}: cannot read the policy: {type(exc).__name__}: {exc}"
                 return self._rejected(reason, started, [why], "invalid_policy")
-            changes = policy_diff(old.policy, policy)
             built = _Built()
             try:
+                changes = policy_diff(old.policy, policy)
                 new = Runtime(
                     policy=policy,
                     metrics=self.metrics,
