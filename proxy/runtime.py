@@ -66,8 +66,7 @@ class Runtime:
             key, _, prio = kp.rpartition("=")
             self.key_priority[key] = prio  # type: ignore[assignment]
         m = self.metrics
-        if self.supervisor is None:
-            self.supervisor = Supervisor(m.loop_errors)
+        self.tasks: Supervisor = self.supervisor or Supervisor(m.loop_errors)
         self._wall_offset = time.time() - self.clock()
         self._evaluate_soon: asyncio.Handle | None = None
         # Sessions and token counters: set up in the app's cleanup context.
@@ -108,9 +107,7 @@ class Runtime:
         )
         m.shared_configured.set_function(lambda: 1 if pol.ladder.shared.redis else 0)
         for up in self.upstreams.values():
-            m.breaker_state.labels(up.name).set_function(
-                lambda up=up: STATE_VALUES[up.breaker.state]  # type: ignore[misc]
-            )
+            m.breaker_state.labels(up.name).set_function(_breaker_gauge(up))
 
     def adopt(self, prev: Runtime) -> None:
         """Carry what the previous generation learnt across a policy reload."""
@@ -138,15 +135,14 @@ class Runtime:
     def spawn(self, coro: Coroutine[Any, Any, None], name: str = "spawn") -> None:
         """Fire-and-forget work (shared-state writes) that must not delay a
         request; referenced until done, its failure logged and counted."""
-        assert self.supervisor is not None
-        self.supervisor.spawn(name, coro)
+        self.tasks.spawn(name, coro)
 
     def force_tier(self, tier: Tier | None) -> None:
         self.ladder.force(tier)
         if tier is None:
             self.evaluate()
         if self.shared is not None and not self._applying_remote:
-            self.spawn(self.shared.publish_forced(tier), "shared-publish")
+            self.spawn(self.shared.publish_forced(tier), "shared_publish")
 
     async def sync_shared(self) -> None:
         """Apply what other replicas decided (breakers opened, a forced tier)."""
@@ -274,8 +270,7 @@ class Runtime:
         try:
             self.evaluate()
         except Exception as exc:  # a loop callback: asyncio would only print it
-            assert self.supervisor is not None
-            self.supervisor.failed("evaluate_soon", exc)
+            self.tasks.failed("evaluate_soon", exc)
 
     def report_success(self, up: Upstream) -> None:
         up.breaker.record_success()
@@ -291,7 +286,7 @@ class Runtime:
         if new == "open" and self.shared is not None and not self._applying_remote:
             ttl = self.policy.ladder.breaker.reset_timeout_s
             with contextlib.suppress(RuntimeError):
-                self.spawn(self.shared.publish_breaker_open(name, reason, ttl), "shared-publish")
+                self.spawn(self.shared.publish_breaker_open(name, reason, ttl), "shared_publish")
         # No running loop only in unit tests of the breaker alone.
         with contextlib.suppress(RuntimeError):
             self.evaluate_soon()
@@ -382,6 +377,10 @@ class Runtime:
             "policy": {"source": self.policy.source},
             "uptime_s": round(time.time() - self.started_at, 1),
         }
+
+
+def _breaker_gauge(up: Upstream) -> Callable[[], float]:
+    return lambda: STATE_VALUES[up.breaker.state]
 
 
 def _why(up: Upstream) -> str:

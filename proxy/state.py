@@ -1,19 +1,26 @@
 """The running proxy across policy reloads.
 
 A reload (SIGHUP, `POST /brownout/reload`, or a change of the file when
-`server.watch_policy` is on) reads and validates the whole new policy off
-the event loop, builds a new `Runtime` and swaps it in at once. Requests in
-flight keep the `Runtime` they started with and finish under the old policy.
-A policy that fails validation changes nothing: the errors (`FILE:LINE:
-message`) are logged, counted in `brownout_policy_reload_failures_total` and
-shown in `/brownout/status`.
+`server.watch_policy` is on) is a transaction: it reads and validates the
+whole new policy off the event loop, builds a new `Runtime` with everything
+it needs (backends, tokenizers, session store, shared state), and only then
+swaps it in, in one step that does no I/O. Requests in flight keep the
+`Runtime` they started with and finish under the old policy. A policy that
+fails validation, or whose parts cannot be built (a tokenizer path that does
+not load), changes nothing: what was built is closed, the errors are logged,
+counted in `brownout_policy_reload_failures_total` and shown in
+`/brownout/status` and the reload's answer (an OpenAI-style error object).
 
 What carries over, so a reload never resets what the proxy has learnt:
 backends whose settings did not change keep their connection pool, health
 and breaker; the ladder keeps its tier, forced tier, history and ramp; the
-admission limiter keeps its in-flight count and queue; the session store and
-the shared-state client are kept when their settings are the same. What a
-replaced generation alone used is closed once its last request has finished.
+admission limiter keeps its in-flight count and queue; the session store
+(and its memory:// sessions) is kept unless its identity changes
+(`store_identity`: URL and pool settings; ttl and sizes are retuned in
+place); turns waiting for the store are one queue across generations; the
+shared-state client is kept when its settings are the same; the background
+loops are reconciled with the new policy. What a replaced generation alone
+used is closed once its last request has finished.
 """
 
 from __future__ import annotations
