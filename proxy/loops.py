@@ -75,6 +75,10 @@ class Evaluator:
     async def _probe(self, up: Upstream) -> None:
         try:
             why = await up.recovery_probe()
+        except Exception as exc:
+            # The trial must end either way, or the breaker stays half-open.
+            up.breaker.record_failure(f"recovery probe: {type(exc).__name__}")
+            raise  # logged and counted by the supervisor
         finally:
             self._probing.pop(id(up), None)
         # The breaker's transition re-evaluates the ladder (`evaluate_soon`).

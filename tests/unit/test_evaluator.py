@@ -83,3 +83,29 @@ async def test_a_hung_recovery_probe_does_not_delay_the_next_evaluation() -> Non
         loop.cancel()
     finally:
         await state.close()
+
+
+async def test_a_probe_that_raises_ends_its_trial_and_is_counted() -> None:
+    clock = Clock()
+    m = Metrics()
+    state = ProxyState(make_policy(f"http://127.0.0.1:{free_port()}"), m, clock)
+    await state.start()
+    try:
+        rt = state.current
+        up = rt.upstreams["primary"]
+
+        async def broken_probe() -> str | None:
+            raise KeyError("a defect in the probe")
+
+        up.recovery_probe = broken_probe  # type: ignore[method-assign]
+        up.breaker.force_open("test")
+        clock.now += rt.policy.ladder.breaker.reset_timeout_s + 1
+        evaluator = Evaluator(state, sleep=Windows())
+        evaluator.tick()
+        await _turns()
+        assert up.breaker.state == "open"  # the trial failed; a later window tries again
+        assert evaluator.probing() == []
+        text = m.exposition().decode()
+        assert 'brownout_loop_errors_total{loop="recovery_probe_primary"} 1.0' in text
+    finally:
+        await state.close()
