@@ -252,5 +252,5 @@ def open_upstream(
     if start is None:
         upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
     else:
-        upstream.probe_task = start(f"probe-{name}", upstream.probe_forever)
+        upstream.probe_task = start(f"health_probe_{name}", upstream.probe_forever)
     return upstream

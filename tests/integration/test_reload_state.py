@@ -91,7 +91,9 @@ def open_client_sessions() -> int:
 
 
 def probe_tasks() -> list[str]:
-    return sorted(t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("probe-"))
+    return sorted(
+        t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("health_probe_")
+    )
 
 
 async def test_a_policy_that_cannot_be_applied_is_rejected_and_leaks_nothing(
@@ -103,7 +105,7 @@ async def test_a_policy_that_cannot_be_applied_is_rejected_and_leaks_nothing(
     proxy = await start_proxy(load_policy(path))
     running = proxy.app[STATE].current
     sessions_before, probes_before = open_client_sessions(), probe_tasks()
-    assert probes_before == ["probe-primary"]
+    assert probes_before == ["health_probe_primary"]
 
     missing = tmp_path / "no-such-tokenizer"
     write(path, fake_upstream.url, primary=f"    tokenizer: {missing}\n")
