@@ -176,6 +176,7 @@ class ProxyState:
             ):
                 up = old
             else:
+                same_server = old is not None and old.policy.url == bp.url
                 up = open_upstream(
                     name,
                     bp,
@@ -184,12 +185,17 @@ class ProxyState:
                     self._on_breaker_change,
                     pol.ladder.failover.probe_failures,
                     start=self.supervisor.start,
+                    # What the breaker learnt about this server stays true.
+                    breaker=old.breaker
+                    if old is not None and same_server and old.breaker.policy == pol.ladder.breaker
+                    else None,
                 )
                 built.upstreams.append(up)
-                if old is not None and old.policy.url == bp.url:
+                if old is not None and same_server:
                     # Discovered facts stay true for the same server.
                     up.served_model = old.served_model
                     up.max_model_len = bp.max_model_len or old.max_model_len
+                    up.health = dataclasses.replace(old.health)
             rt.add_upstream(up)
             if (
                 prev is not None

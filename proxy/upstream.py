@@ -242,12 +242,15 @@ def open_upstream(
     on_breaker_change: Callable[[str, str, str, str], None],
     probe_failures: int,
     start: Callable[[str, Callable[[], Awaitable[None]]], asyncio.Task[None]] | None = None,
+    breaker: BackendBreaker | None = None,
 ) -> Upstream:
     """An upstream with its session and its probe task running (call `close`).
     `start` runs the probe loop (the app's `Supervisor.start`: an exception
-    in a probe is logged and counted, and probing goes on)."""
+    in a probe is logged and counted, and probing goes on). `breaker`: one
+    to keep (a reload that changed other settings of the same server)."""
     session = make_session(policy)
-    breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
+    if breaker is None:
+        breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
     upstream = Upstream(name, policy, session, breaker, probe_failures)
     if start is None:
         upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")

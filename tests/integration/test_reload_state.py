@@ -282,3 +282,23 @@ async def test_a_sighup_reload_that_raises_is_logged_and_counted(
         loop.remove_signal_handler(signal.SIGHUP)
     failed = [e for e in logs if e["event"] == "loop_failed"]
     assert failed and failed[0]["error"] == "RuntimeError: reload bug (sighup)"
+
+
+async def test_a_rebuilt_backend_keeps_what_its_breaker_learnt(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    write(path, fake_upstream.url)
+    proxy = await start_proxy(load_policy(path))
+    old = proxy.app[STATE].current.upstreams["primary"]
+    old.breaker.force_open("test: the primary failed")
+    assert (await status(proxy))["backends"]["primary"]["breaker"] == "open"
+
+    # Another pool size needs a new connection pool, not a new opinion of the server.
+    write(path, fake_upstream.url, primary="    pool: {max_connections: 8}\n")
+    code, body = await reload(proxy)
+    assert code == 200, body
+    assert proxy.app[STATE].current.upstreams["primary"] is not old
+    st = await status(proxy)
+    assert st["backends"]["primary"]["breaker"] == "open"
+    assert st["backends"]["primary"]["breaker_detail"] == old.breaker.snapshot()
