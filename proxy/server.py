@@ -70,11 +70,9 @@ async def _reload_on_sighup(app: web.Application) -> None:
     """`kill -HUP` re-reads the policy, like nginx."""
     state = app[STATE]
     loop = asyncio.get_running_loop()
-    pending: set[asyncio.Task[object]] = set()
 
     def on_hup() -> None:
-        task: asyncio.Task[object] = loop.create_task(state.reload("sighup"))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
+        # Supervised: an exception is logged and counted, never lost.
+        state.supervisor.spawn("reload_sighup", state.reload("sighup"))
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)

@@ -344,7 +344,8 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def _sampler(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(_sample_forever(app[STATE], app[STATUS_PAGE]), name="status-page")
+    state, sp = app[STATE], app[STATUS_PAGE]
+    task = state.supervisor.start("status_page", lambda: _sample_forever(state, sp))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 from proxy.policy.schema import Policy, knob_index
 
 REDACTED = "<redacted>"
+RESTART_MARK = "  (needs restart)"
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -69,7 +70,7 @@ def policy_diff(old: Policy, new: Policy) -> list[str]:
     a, b = flatten(old), flatten(new)
     lines = []
     for key in sorted(a.keys() | b.keys()):
-        tail = "  (needs restart)" if needs_restart(key) else ""
+        tail = RESTART_MARK if needs_restart(key) else ""
         if key not in a:
             lines.append(f"+ {key}: {redact(key, b[key])!r}{tail}")
         elif key not in b:

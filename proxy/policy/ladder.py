@@ -175,7 +175,6 @@ class SharedPolicy:
         "",
         "Redis URL shared by the replicas (`redis://host:port/db`); empty = no sharing.",
         secret="userinfo",
-        restart=True,
     )
     key_prefix: str = knob("brownout:fleet:", "Prefix of the shared keys.")
     interval_s: float = knob(0.5, "How often each replica reads the shared state.", gt=0)

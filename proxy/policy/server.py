@@ -52,8 +52,5 @@ class ServerPolicy:
     watch_policy: bool = knob(
         False,
         "Reload the policy when its file changes (besides SIGHUP and the API).",
-        restart=True,
     )
-    watch_interval_s: float = knob(
-        2.0, "How often the policy file is checked when watched.", gt=0, restart=True
-    )
+    watch_interval_s: float = knob(2.0, "How often the policy file is checked when watched.", gt=0)
