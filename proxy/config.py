@@ -47,6 +47,11 @@ class ServerPolicy:
     body_timeout_s: float = knob(
         30.0, "A request body not fully received within this gets 408 (slow clients)."
     )
+    header_timeout_s: float = knob(
+        10.0,
+        "A request's headers must be complete this long after its first byte, or the "
+        "connection is closed (slow-loris); 0 = no limit.",
+    )
     heartbeat_s: float = knob(
         15.0,
         "Send an SSE comment (`: ping`) when the backend has been silent this long, so "
@@ -431,6 +436,8 @@ def _semantic_checks(policy: Policy, root: yaml.Node, conv: _Converter) -> None:
         conv.issue(at("server", "max_body_bytes"), "server.max_body_bytes: must be >= 1024")
     if s.heartbeat_s <= 0:
         conv.issue(at("server", "heartbeat_s"), "server.heartbeat_s: must be > 0")
+    if s.header_timeout_s < 0:
+        conv.issue(at("server", "header_timeout_s"), "server.header_timeout_s: must be >= 0")
     store = policy.sessions.store
     if not (store == "memory://" or store.startswith(("redis://", "rediss://", "unix://"))):
         conv.issue(
