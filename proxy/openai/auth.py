@@ -31,7 +31,7 @@ def key_matches(token: str | None, keys: Iterable[str]) -> bool:
     found = False
     for key in keys:
         found |= hmac.compare_digest(given, _raw(key))
-    return found and token is not None
+    return found and bool(token)
 
 
 def is_valid_utf8(value: str) -> bool:

@@ -16,6 +16,7 @@ from tests.integration.conftest import CHAT_BODY, FakeUpstream, ProxyFactory
 from tests.integration.rawhttp import RawResponse, raw_request
 
 CHAT = b"/v1/chat/completions"
+JSON_CT = [(b"Content-Type", b"application/json")]
 
 
 def make_policy(url: str, server: str = "") -> Policy:
