@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 
 # One scan per request: the first thing found names the problem.
 _BAD = re.compile(
@@ -23,12 +24,14 @@ _BAD = re.compile(
     r"|(?P<dot>(?<=/)(?:\.|%2e)(?:\.|%2e)?(?=/|$))",
     re.IGNORECASE,
 )
-_MESSAGES = {
-    "encoded": "an encoded slash, backslash or control character",
-    "control": "a backslash or a control character",
-    "empty": "an empty segment ('//')",
-    "dot": "a dot-segment ('.' or '..')",
-}
+_MESSAGES = MappingProxyType(
+    {
+        "encoded": "an encoded slash, backslash or control character",
+        "control": "a backslash or a control character",
+        "empty": "an empty segment ('//')",
+        "dot": "a dot-segment ('.' or '..')",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,10 @@ _COMPLETION = (
     "ingress → session load → route → attempts [admission → adapt → backend call → "
     "relay + guard → rescue] → session save → finish"
 )
-_PASS = "ingress → route → attempts [admission → backend call → relay] → finish (body as sent)"
+_PASS = (
+    "ingress → route (tier, maintenance) → attempts [admission → backend call (breaker) → "
+    "relay] → finish; body passed through"
+)
 _INGRESS_ONLY = "ingress (answered by the proxy, nothing forwarded)"
 _OPS = "answered by the proxy"
 

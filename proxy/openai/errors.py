@@ -9,28 +9,27 @@ client handles the proxy's own errors and a backend's alike.
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from typing import Any
 
 JSON_CT = "application/json"
 
-# The `type` OpenAI gives an error of each status (everything else 4xx:
-# invalid_request_error; 5xx: server_error).
-_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    429: "rate_limit_error",
-}
+# The `type` OpenAI gives an error of each status (everything else 4xx,
+# 401 and 404 included: invalid_request_error; 5xx: server_error).
+_TYPES = MappingProxyType({429: "rate_limit_error"})
 
 # The `code` for errors the HTTP layer raises (routing, limits).
-HTTP_CODES = {
-    400: "invalid_request",
-    404: "unknown_url",
-    405: "method_not_allowed",
-    408: "request_timeout",
-    413: "request_too_large",
-    415: "unsupported_media_type",
-    500: "internal_error",
-}
+HTTP_CODES = MappingProxyType(
+    {
+        400: "invalid_request",
+        404: "unknown_url",
+        405: "method_not_allowed",
+        408: "request_timeout",
+        413: "request_too_large",
+        415: "unsupported_media_type",
+        500: "internal_error",
+    }
+)
 
 
 def error_type_for(status: int) -> str:

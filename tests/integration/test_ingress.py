@@ -317,3 +317,44 @@ async def test_oversized_bodies_get_openai_413(
     ]:
         resp = await raw_request(proxy.url, "POST", target, headers, big * 20)
         assert_openai_error(resp, 413, "request_too_large")
+
+
+async def test_exception_mid_stream_ends_it_with_an_in_band_error(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from proxy.guard import StreamGuard
+    from tests.integration.conftest import chunk
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chunk("Hel"))
+        await asyncio.sleep(0.1)
+        await resp.write(chunk("lo", finish="stop") + b"data: [DONE]\n\n")
+        return resp
+
+    feed = StreamGuard.feed
+    calls: list[int] = []
+
+    def broken_feed(self: StreamGuard, *args: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("a bug in the middle of a stream")
+        return feed(self, *args)  # type: ignore[arg-type]
+
+    fake_upstream.handlers["/v1/chat/completions"] = stream
+    monkeypatch.setattr(StreamGuard, "feed", broken_feed)
+    proxy = await start_proxy(make_policy(fake_upstream.url))
+    body = json.dumps({**CHAT_BODY, "stream": True}).encode()
+    resp = await raw_request(proxy.url, "POST", CHAT, [], body)
+    assert resp.status == 200
+    events = [e for e in resp.body.split(b"\n\n") if e.startswith(b"data: ")]
+    # What was relayed, then an error event the SDKs raise, then the end: not
+    # a stream cut without its terminator, which a client takes for success.
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["content"] == "Hel"
+    error = json.loads(events[-2][6:])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+    assert events[-1] == b"data: [DONE]"
+    assert len(events) == 3, events

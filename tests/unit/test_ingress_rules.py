@@ -111,4 +111,7 @@ def test_route_table() -> None:
     assert v1_rows[-1] == "/v1/{tail:.+}"
     table = markdown_table()
     assert table.count("\n") == len(ROUTES) + 1
-    assert "| `/v1/chat/completions` | POST | `ingress.completions.chat_completions` |" in table
+    assert (
+        "| `/v1/chat/completions` | POST | `ingress.completions.chat_completions` | client |"
+        in table
+    )
