@@ -70,13 +70,15 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except RequestRejected as rej:
-        return reject(request, rej)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # redirects stay as aiohttp makes them
+        if _PREPARED in request:
+            return await _internal_error(request, exc)
         return reject(request, _from_http(request, exc), exc.headers)
     except Exception as exc:
+        if isinstance(exc, RequestRejected) and _PREPARED not in request:
+            return reject(request, exc)
         return await _internal_error(request, exc)
 
 
@@ -98,7 +100,13 @@ def reject(
         rt.count_request("none", route.name if route else "unknown", rej.status)
         if request.path.startswith("/v1/"):
             headers["X-Brownout-Tier"] = rt.tier
-    log.info("request_rejected", status=rej.status, reason=rej.code, method=request.method)
+    log.info(
+        "request_rejected",
+        status=rej.status,
+        reason=rej.code,
+        method=request.method,
+        path=request.rel_url.raw_path[:200],  # ASCII: aiohttp refuses raw non-ASCII targets
+    )
     return error_response(
         rej.status,
         rej.message,
@@ -124,7 +132,8 @@ def _from_http(request: web.Request, exc: web.HTTPException) -> RequestRejected:
 
 
 async def _internal_error(request: web.Request, exc: Exception) -> web.StreamResponse:
-    """A bug, not the client's fault: logged with its traceback, answered 500."""
+    """A bug, not the client's fault: logged with its traceback, answered 500
+    (or, once a stream's 200 went out, ended with an in-band error event)."""
     log.error("internal_error", error=type(exc).__name__, exc_info=exc)
     state = request.app.get(STATE)
     route = route_of(request)
