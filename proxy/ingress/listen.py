@@ -11,7 +11,8 @@ keep-alive pool is not cut.
 
 "Headers complete" is observed where it is certain: the request reached the
 app (`request_started`, called by the request-context middleware); bytes
-that arrive while a request is being handled are its body.
+that arrive while a request is being handled, or until its body has been
+read to the end, are its body.
 """
 
 from __future__ import annotations
@@ -110,8 +111,14 @@ def request_started(request: web.BaseRequest) -> None:
 
 def request_finished(request: web.BaseRequest) -> None:
     d = _deadline_of(request)
-    if d is not None:
+    if d is None:
+        return
+    if request.content.is_eof():
         d.finished()
+    else:
+        # Answered before its body was read (a 405, a 413): the rest of the
+        # body still arrives (aiohttp drains it) and is no next request's head.
+        request.content.on_eof(d.finished)
 
 
 class GuardedSite(web.BaseSite):

@@ -107,3 +107,20 @@ async def test_headers_in_several_packets_within_the_deadline_are_served(served:
     answer = await asyncio.wait_for(reader.read(), 2)
     assert answer.startswith(b"HTTP/1.1 200")
     writer.close()
+
+
+async def test_a_body_read_after_the_answer_is_no_slow_header(served: int) -> None:
+    # A 405 is answered before the body is read; the body that follows is
+    # drained by aiohttp, and the connection then idles as keep-alive.
+    reader, writer = await asyncio.open_connection("127.0.0.1", served)
+    writer.write(b"POST /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+    assert head.startswith(b"HTTP/1.1 405")
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    writer.write(b"0123456789")
+    await asyncio.sleep(TIMEOUT_S * 2)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 2)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    writer.close()
