@@ -7,12 +7,20 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from aiohttp import web
 
 from proxy.keys import STATE
-from tests.integration.conftest import CHAT_BODY, FakeUpstream, ProxyFactory, make_policy
+from tests.integration.conftest import (
+    CHAT_BODY,
+    FakeUpstream,
+    ProxyFactory,
+    _start,
+    free_port,
+    make_policy,
+)
 from tests.integration.rawhttp import raw_request
 from tests.integration.test_ingress import assert_openai_error, forwarded
 
@@ -44,9 +52,9 @@ async def _strict(request: web.Request) -> web.StreamResponse:
 
 
 @pytest.fixture
-async def two_backends(fake_upstream: FakeUpstream) -> tuple[FakeUpstream, FakeUpstream]:
-    from tests.integration.conftest import _start, free_port
-
+async def two_backends(
+    fake_upstream: FakeUpstream,
+) -> AsyncIterator[tuple[FakeUpstream, FakeUpstream]]:
     fallback = FakeUpstream(free_port())
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", fallback.dispatch)
@@ -69,11 +77,10 @@ async def test_encoded_bodies_leave_both_breakers_closed(
     two_backends: tuple[FakeUpstream, FakeUpstream],
     start_proxy: ProxyFactory,
     coding: str,
-    encode: object,
+    encode: Callable[[bytes], bytes],
 ) -> None:
     primary, fallback = two_backends
     proxy = await start_proxy(make_policy(primary.url, fallback.url))
-    assert callable(encode)
     sent = encode(BODY)
     for _ in range(6):
         resp = await raw_request(
