@@ -129,11 +129,11 @@ def route_of(request: web.Request) -> Route | None:
 def markdown_table() -> str:
     """The table as the README shows it."""
     lines = [
-        "| Path | Methods | Handler | Auth | Stages |",
-        "|---|---|---|---|---|",
+        "| path | methods | handler | auth | stages | what |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in ROUTES:
         methods = "any" if r.methods == ("*",) else ", ".join(r.methods)
         handler = f"`{r.handler.__module__.removeprefix('proxy.')}.{r.handler.__name__}`"
-        lines.append(f"| `{r.path}` | {methods} | {handler} | {r.auth} | {r.stages} — {r.doc} |")
+        lines.append(f"| `{r.path}` | {methods} | {handler} | {r.auth} | {r.stages} | {r.doc} |")
     return "\n".join(lines)
