@@ -61,7 +61,9 @@ def render(outcome: ReloadOutcome) -> tuple[int, list[str], list[str]]:
     body = outcome.body
     if outcome.problem is not None or body is None:
         return EXIT_UNREACHABLE, [], [f"brownout reload: {outcome.problem or 'no answer'}"]
-    if "error" in body and isinstance(body["error"], dict):
+    # A reload result has "ok" (a rejected one also carries an error object);
+    # anything else with an error object is the proxy refusing the request.
+    if "ok" not in body and isinstance(body.get("error"), dict):
         message = body["error"].get("message", "error")
         return EXIT_UNREACHABLE, [], [f"brownout reload: HTTP {outcome.status}: {message}"]
     if body.get("ok") is True:

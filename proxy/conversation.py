@@ -41,23 +41,6 @@ def merge_history(body: dict[str, Any], history: list[dict[str, str]]) -> dict[s
     return {**body, "messages": [*head, *history, *rest]}
 
 
-def user_text(body: dict[str, Any]) -> str | None:
-    """The text of the request's last user message (what a turn stores)."""
-    for m in reversed(body.get("messages") or []):
-        if isinstance(m, dict) and m.get("role") == "user":
-            c = m.get("content")
-            if isinstance(c, str):
-                return c
-            if isinstance(c, list):
-                return "".join(
-                    p.get("text", "")
-                    for p in c
-                    if isinstance(p, dict) and isinstance(p.get("text"), str)
-                )
-            return None
-    return None
-
-
 def answer_from_body(body: bytes) -> str | None:
     """The assistant text of a finished non-streaming chat answer."""
     try:

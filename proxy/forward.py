@@ -38,14 +38,18 @@ from proxy.conversation import (
 )
 from proxy.errors import JSON_CT, RequestRejected, error_body, error_response
 from proxy.guard import StreamGuard, Trip
-from proxy.maintenance import last_user_text, render_json, render_stream
+from proxy.ingress.headers import forward_headers
+from proxy.maintenance import render_json, render_stream
+from proxy.openai.errors import upstream_error_body
+from proxy.openai.headers import SSE_CONTENT_TYPE, STREAM_HEADERS
+from proxy.openai.messages import question_text
 from proxy.policy import Priority
 from proxy.relay import StreamResult, end_with_error, has_finish_reason, relay_stream
 from proxy.rescue import continuation_body, partial_text
 from proxy.runtime import Runtime
 from proxy.sessions import SessionStoreUnavailable
 from proxy.trim import ContextTooLong, EstimateTokenCounter, TokenCountError, budget_tokens, trim
-from proxy.upstream import HOP_BY_HOP, Upstream
+from proxy.upstream import Upstream
 from proxy.validate import Endpoint
 
 log = structlog.get_logger("brownout.request")
@@ -54,28 +58,8 @@ _RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 def upstream_headers(request: web.Request, up: Upstream, rid: str) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in request.headers.items():
-        if k.lower() not in HOP_BY_HOP:
-            out.add(k, v)
-    out["X-Request-Id"] = rid
-    # Relayed bytes are parsed (SSE) or passed through verbatim: no compression.
-    out["Accept-Encoding"] = "identity"
-    if up.auth_header is not None:
-        out["Authorization"] = up.auth_header
-    return out
-
-
-def upstream_error_body(status: int, body: bytes) -> bytes:
-    """The upstream's error body if it is already OpenAI-shaped, else a wrapped one."""
-    try:
-        obj = json.loads(body)
-        if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-            return body
-    except ValueError:
-        pass
-    text = body[:200].decode("utf-8", "replace").strip() or f"HTTP {status}"
-    return error_body(f"backend error: {text}", "server_error", status)
+    # Entity headers describe the forwarded bytes, not the client's (proxy.ingress.headers).
+    return forward_headers(request.headers, rid, up.auth_header)
 
 
 class Flow:
@@ -311,8 +295,7 @@ class Flow:
         rt = self.rt
         headers = self.response_headers(up.name)
         headers["Content-Type"] = ctype
-        headers["Cache-Control"] = "no-cache"
-        headers["X-Accel-Buffering"] = "no"
+        headers.update(STREAM_HEADERS)
         sg = rt.guard.stream() if rt.guard is not None else None
         result = await relay_stream(
             self.request,
@@ -645,7 +628,7 @@ class Flow:
     def maintenance(self, why: str) -> web.Response:
         rt = self.rt
         pol = rt.policy.ladder.maintenance
-        ans = rt.maintenance.answer(last_user_text(self.body))
+        ans = rt.maintenance.answer(question_text(self.body))
         rt.metrics.maintenance_answers.labels(ans.kind).inc()
         model = self.body.get("model") or "brownout-maintenance"
         headers = self.response_headers("maintenance")
@@ -655,9 +638,8 @@ class Flow:
         if self.stream:
             opts = self.body.get("stream_options") or {}
             body = render_stream(ans.text, model, self.endpoint, bool(opts.get("include_usage")))
-            headers["Content-Type"] = "text/event-stream; charset=utf-8"
-            headers["Cache-Control"] = "no-cache"
-            headers["X-Accel-Buffering"] = "no"
+            headers["Content-Type"] = SSE_CONTENT_TYPE
+            headers.update(STREAM_HEADERS)
         else:
             body = render_json(ans.text, model, self.endpoint)
             headers["Content-Type"] = JSON_CT

@@ -125,26 +125,6 @@ class Maintenance:
         return Answer(self.policy.notice, "notice", score)
 
 
-def last_user_text(body: dict[str, Any]) -> str:
-    """The question to match: the last user message (chat) or the prompt."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for m in reversed(messages):
-            if isinstance(m, dict) and m.get("role") == "user":
-                c = m.get("content")
-                if isinstance(c, str):
-                    return c
-                if isinstance(c, list):
-                    return " ".join(
-                        p.get("text", "")
-                        for p in c
-                        if isinstance(p, dict) and p.get("type") == "text"
-                    )
-        return ""
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else ""
-
-
 def _usage(text: str) -> dict[str, int]:
     # No tokenizer here: a word-piece estimate, honest enough for a canned text.
     n = max(1, len(text) // 4)

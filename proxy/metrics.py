@@ -101,6 +101,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.header_timeouts = Counter(
+            "brownout_header_timeouts",
+            "Connections closed because a request's headers did not arrive within "
+            "server.header_timeout_s.",
+            registry=r,
+        )
         self.backend_up = Gauge(
             "brownout_backend_up",
             "1 when the backend's health probe passes.",

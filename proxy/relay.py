@@ -25,8 +25,9 @@ import aiohttp
 from aiohttp import web
 
 from proxy.chunkrun import ChunkRuns, Run
-from proxy.errors import error_body
 from proxy.guard import StreamGuard, Trip
+from proxy.openai.errors import error_body
+from proxy.openai.headers import STREAM_ONLY
 from proxy.sse import (
     DONE_EVENT,
     HEARTBEAT,
@@ -411,9 +412,6 @@ async def _fail(pump: _Pump, result: StreamResult, status: int, code: str) -> St
 
 
 def _json_response(status: int, body: bytes, headers: Mapping[str, str]) -> web.Response:
-    h = {k: v for k, v in headers.items() if k.lower() not in _STREAM_ONLY}
+    h = {k: v for k, v in headers.items() if k.lower() not in STREAM_ONLY}
     h["Content-Type"] = "application/json"
     return web.Response(status=status, body=body, headers=h)
-
-
-_STREAM_ONLY = frozenset({"content-type", "cache-control", "x-accel-buffering"})

@@ -45,6 +45,7 @@ from aiohttp import web
 from proxy import __version__
 from proxy.keys import STATE
 from proxy.metrics import Metrics
+from proxy.openai.headers import SSE_HEADERS
 from proxy.state import ProxyState
 
 _STATIC_PACKAGE = "proxy"
@@ -98,12 +99,7 @@ _PAGE_HEADERS = {
     "Referrer-Policy": "no-referrer",
 }
 
-_EVENT_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-    "X-Content-Type-Options": "nosniff",
-}
+_EVENT_HEADERS = {**SSE_HEADERS, "X-Content-Type-Options": "nosniff"}
 
 
 # -- the time series ---------------------------------------------------------------

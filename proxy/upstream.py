@@ -22,26 +22,6 @@ from proxy.policy import BackendPolicy, BreakerPolicy
 
 log = structlog.get_logger("brownout.upstream")
 
-# Headers that describe one hop, not the message (RFC 9110 §7.6.1), plus
-# the ones the client library recomputes and Brownout's own request headers.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        "accept-encoding",
-        "x-session-id",
-        "x-priority",
-    }
-)
-
 # Parameters the Transformers fallback server does not implement; removed
 # from requests sent to a `transformers` backend unless the policy lists its own.
 TRANSFORMERS_DROP = (

@@ -6,9 +6,10 @@ reads); everything else is the backend's business and passes untouched.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import orjson
 
 from proxy.errors import RequestRejected
 
@@ -27,25 +28,44 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_request") 
     return RequestRejected(400, message, code, param)
 
 
-def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
-    """Decode and check a request body; raise RequestRejected with a clear reason."""
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object from a request body, or RequestRejected (400) that says why.
+
+    orjson keeps this total: nesting deeper than 1,024 levels, numbers beyond
+    a double (a 5,000-digit integer), invalid UTF-8 and lone surrogate escapes
+    (`"\\ud800"`, which no encoder downstream — Redis saves, log lines,
+    maintenance answers — can write back) are all refused here, as JSON
+    errors with their position, never raised further."""
     if not raw:
         raise _bad("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if "UTF-8" in exc.msg:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as ude:
+                raise _bad(
+                    f"request body is not valid UTF-8 (byte {ude.start})", code="invalid_encoding"
+                ) from None
+        hint = (
+            " (a lone UTF-16 surrogate escape such as \\ud800 is no character)"
+            if "surrogate" in exc.msg
+            else ""
+        )
         raise _bad(
-            f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding"
-        ) from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _bad(
-            f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+            f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+            f"column {exc.colno}{hint}",
             code="invalid_json",
         ) from None
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
+    """Decode and check a request body; raise RequestRejected with a clear reason."""
+    body = parse_json_object(raw)
 
     stream = body.get("stream", False)
     if stream is None:
@@ -98,6 +118,21 @@ def _check_messages(body: dict[str, Any]) -> None:
                 f"{where}.content",
                 "invalid_type",
             )
+        if isinstance(content, list):
+            _check_parts(content, f"{where}.content")
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    """Content parts: objects; a `type`, when given, is a string; a `text`,
+    when given, is a string (the proxy reads it: sessions, FAQ matching)."""
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(f"'{at}' must be an object", at, "invalid_type")
+        if not isinstance(part.get("type", ""), str):
+            raise _bad(f"'{at}.type' must be a string", f"{at}.type", "invalid_type")
+        if "text" in part and not isinstance(part["text"], str):
+            raise _bad(f"'{at}.text' must be a string", f"{at}.text", "invalid_type")
 
 
 def _check_prompt(body: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from proxy.errors import error_body
+from proxy.openai.errors import error_body
 
 
 class APIError(Exception):

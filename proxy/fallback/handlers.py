@@ -16,13 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from types import MappingProxyType
 
 import jinja2
 import structlog
 from aiohttp import web
 
-from proxy.errors import error_body
 from proxy.fallback.admission import QueueFull
 from proxy.fallback.engine import Delta, Engine, Finished
 from proxy.fallback.errors import APIError, invalid
@@ -45,16 +43,10 @@ from proxy.fallback.protocol import (
 )
 from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, WORKERS, Settings
 from proxy.fallback.workers import Generation, GenerationFailed, WorkersClosed
+from proxy.openai.errors import error_body
+from proxy.openai.headers import SSE_HEADERS
 
 log = structlog.get_logger("brownout.fallback.http")
-
-SSE_HEADERS = MappingProxyType(
-    {
-        "Content-Type": "text/event-stream; charset=utf-8",
-        "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no",  # nginx: pass each event through unbuffered
-    }
-)
 
 
 # --- middleware --------------------------------------------------------------------------

@@ -33,6 +33,13 @@ class ServerPolicy:
     body_timeout_s: float = knob(
         30.0, "A request body not fully received within this gets 408 (slow clients).", gt=0
     )
+    header_timeout_s: float = knob(
+        10.0,
+        "A request's headers must be complete this long after its first byte, or the "
+        "connection is closed (slow-loris); 0 = no limit.",
+        ge=0,
+        le=3600,
+    )
     heartbeat_s: float = knob(
         15.0,
         "Send an SSE comment (`: ping`) when the backend has been silent this long, so "

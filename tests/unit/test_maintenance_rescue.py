@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.maintenance import Maintenance, last_user_text, render_json, render_stream
+from proxy.maintenance import Maintenance, render_json, render_stream
 from proxy.policy import FaqEntry, FaqPolicy, MaintenancePolicy
 from proxy.rescue import continuation_body, partial_text
 from proxy.sse import SSEParser
@@ -25,18 +25,6 @@ def test_faq_matching() -> None:
     a = m.answer("Tell me a story about dragons")
     assert (a.kind, a.text) == ("notice", "Down for maintenance.")
     assert m.answer("").kind == "notice"
-
-
-def test_last_user_text() -> None:
-    body = {
-        "messages": [
-            {"role": "user", "content": "first"},
-            {"role": "assistant", "content": "x"},
-            {"role": "user", "content": [{"type": "text", "text": "second"}]},
-        ]
-    }
-    assert last_user_text(body) == "second"
-    assert last_user_text({"prompt": "p"}) == "p"
 
 
 def test_render_stream_is_a_valid_chat_stream() -> None:
