@@ -81,12 +81,16 @@ async def _evaluate_forever(state: ProxyState) -> None:
         if rt.policy.ladder.failover.recovery_probe:
             for up in rt.upstreams.values():
                 b = up.breaker
-                if b.state == "open" and rt.clock() >= b.retry_at() and b.allow():
-                    why = await up.recovery_probe()
-                    if why is None:
-                        rt.report_success(up)
-                    else:
-                        up.breaker.record_failure(f"recovery probe: {why}")
+                permit = b.allow() if b.state == "open" and rt.clock() >= b.retry_at() else None
+                if permit is not None:
+                    try:
+                        why = await up.recovery_probe()
+                        if why is None:
+                            rt.report_success(up, permit=permit)
+                        else:
+                            b.record_failure(permit, f"recovery probe: {why}")
+                    finally:
+                        b.release_trial(permit)  # no-op once an outcome was recorded
         rt.evaluate(window=True)
 
 

@@ -20,7 +20,7 @@ import structlog
 from prometheus_client import Counter
 
 from proxy.admission import Admission, Priority
-from proxy.breaker import STATE_VALUES
+from proxy.breaker import STATE_VALUES, Permit
 from proxy.config import Policy
 from proxy.conversation import TurnIds
 from proxy.guard import Guard
@@ -259,12 +259,14 @@ class Runtime:
         self._evaluate_soon = None
         self.evaluate()
 
-    def report_success(self, up: Upstream) -> None:
-        up.breaker.record_success()
+    def report_success(self, up: Upstream, *, permit: Permit) -> None:
+        up.breaker.record_success(permit)
 
-    def report_failure(self, up: Upstream, kind: str, detail: str = "") -> None:
+    def report_failure(self, up: Upstream, kind: str, detail: str = "", *, permit: Permit) -> None:
+        """`permit` is what `up.breaker.allow()` gave this call: the outcome
+        counts only in the breaker epoch that admitted it."""
         self.metrics.upstream_errors.labels(up.name, kind).inc()
-        up.breaker.record_failure(f"{kind}: {detail}" if detail else kind)
+        up.breaker.record_failure(permit, f"{kind}: {detail}" if detail else kind)
         self.ladder.report_failure(up.name)
 
     def on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:
