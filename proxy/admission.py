@@ -33,16 +33,14 @@ import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from proxy.knobs import knob
+from proxy.priority import PRIORITIES, RANK, Priority
+
+__all__ = ["PRIORITIES", "Admission", "AdmissionPolicy", "Priority", "Rejected"]
 
 DRAIN_WINDOW_S = 10.0  # busy seconds the drain-rate estimate averages over
 MIN_SERVICE_S = 0.005  # the mean service time is never taken as shorter
-
-Priority = Literal["critical", "normal", "sheddable"]
-PRIORITIES: tuple[Priority, ...] = ("critical", "normal", "sheddable")
-_RANK = {"critical": 0, "normal": 1, "sheddable": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +55,8 @@ class AdmissionPolicy:
     )
     key_priorities: tuple[str, ...] = knob(
         (),
-        "`API_KEY=priority` pairs giving a client key a priority (the header may only lower it).",
+        "`API_KEY=priority` entries giving a client key a priority; `X-Priority` may only "
+        "lower it, unless the entry names a ceiling: `API_KEY=normal..critical`.",
     )
 
 
@@ -219,15 +218,15 @@ class Admission:
 
     def _ahead_of(self, priority: Priority) -> bool:
         """Someone of the same or higher priority is already waiting."""
-        return any(self._queues[p] for p in PRIORITIES[: _RANK[priority] + 1])
+        return any(self._queues[p] for p in PRIORITIES[: RANK[priority] + 1])
 
     def _position(self, priority: Priority) -> int:
-        return sum(len(self._queues[p]) for p in PRIORITIES[: _RANK[priority] + 1])
+        return sum(len(self._queues[p]) for p in PRIORITIES[: RANK[priority] + 1])
 
     def _evict_below(self, priority: Priority) -> bool:
         """Make room for `priority` by shedding the newest lower-priority waiter."""
         for p in reversed(PRIORITIES):
-            if _RANK[p] <= _RANK[priority]:
+            if RANK[p] <= RANK[priority]:
                 return False
             q = self._queues[p]
             if q:

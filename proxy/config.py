@@ -24,6 +24,7 @@ from proxy.guard import GuardPolicy
 from proxy.knobs import knob
 from proxy.ladder import RecoveryPolicy
 from proxy.pressure import ThrottlePolicy
+from proxy.priority import parse_key_priority
 from proxy.sessions import SessionsPolicy
 from proxy.shared import SharedPolicy
 
@@ -446,11 +447,12 @@ def _semantic_checks(policy: Policy, root: yaml.Node, conv: _Converter) -> None:
     if policy.sessions.max_turns < 1:
         conv.issue(at("sessions", "max_turns"), "sessions.max_turns: must be >= 1")
     for kp in policy.ladder.throttle.key_priorities:
-        key, sep, prio = kp.rpartition("=")
-        if not sep or not key or prio not in ("critical", "normal", "sheddable"):
+        try:
+            parse_key_priority(kp)
+        except ValueError as exc:
             conv.issue(
                 at("ladder", "throttle", "key_priorities"),
-                f"ladder.throttle.key_priorities: {kp!r} is not KEY=critical|normal|sheddable",
+                f"ladder.throttle.key_priorities: {exc}",
             )
     if policy.ladder.throttle.max_inflight < 1:
         conv.issue(

@@ -28,6 +28,7 @@ from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
 from proxy.pressure import PressureMonitor, next_limit
+from proxy.priority import Grant, parse_key_priorities
 from proxy.saves import PendingSaves
 from proxy.sessions import MemorySessionStore, SessionStore
 from proxy.shared import SharedState
@@ -36,7 +37,6 @@ from proxy.upstream import Upstream
 
 log = structlog.get_logger("brownout.ladder")
 
-RANK_PRIORITY = {"critical": 0, "normal": 1, "sheddable": 2}
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
 
@@ -58,10 +58,8 @@ class Runtime:
         throttle = pol.ladder.throttle
         self.pressure = PressureMonitor(throttle, self.clock)
         self.admission = Admission(throttle, self.clock, self._on_queue_wait)
-        self.key_priority: dict[str, Priority] = {}
-        for kp in throttle.key_priorities:
-            key, _, prio = kp.rpartition("=")
-            self.key_priority[key] = prio  # type: ignore[assignment]
+        self.key_grants = parse_key_priorities(throttle.key_priorities)
+        self.default_grant = Grant(throttle.default_priority, throttle.default_priority)
         m = self.metrics
         m.admission_limit.set_function(lambda: self.admission.limit)
         m.admission_inflight.set_function(lambda: self.admission.inflight)
@@ -168,13 +166,9 @@ class Runtime:
         self.pressure.record_queue_wait(seconds, self.admission.limit)
 
     def priority_for(self, header: str | None, api_key: str | None) -> Priority:
-        """`X-Priority` may lower a key's mapped priority, never raise it."""
-        base = self.key_priority.get(api_key or "", self.policy.ladder.throttle.default_priority)
-        if header in ("critical", "normal", "sheddable"):
-            if api_key in self.key_priority and RANK_PRIORITY[header] < RANK_PRIORITY[base]:
-                return base
-            return header  # type: ignore[return-value]
-        return base
+        """`X-Priority` may lower the client's priority (its key's entry, else
+        `default_priority`), and raise it only up to the ceiling its entry names."""
+        return self.key_grants.get(api_key or "", self.default_grant).for_header(header)
 
     @property
     def tier(self) -> str:
