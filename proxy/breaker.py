@@ -89,6 +89,7 @@ class BackendBreaker:
         self._failures_in_window = 0
         self._trials: dict[int, float] = {}  # trial number → when admitted
         self._next_trial = 1
+        self._closed_permit = Permit(0, 0, self)  # all of a closed epoch's are alike
 
     # -- admission ---------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class BackendBreaker:
         `reset_timeout_s` has passed on the clock, then admits a bounded number
         of trial calls."""
         if self.state == "closed":
-            return Permit(self._epoch, 0, self)
+            return self._closed_permit
         now = self.clock()
         if self.state == "open":
             if now < self.retry_at():
@@ -197,6 +198,7 @@ class BackendBreaker:
         self.state = new
         self._epoch += 1  # every permit handed out so far is now stale
         self._trials.clear()
+        self._closed_permit = Permit(self._epoch, 0, self)
         if new == "open":
             self._opened_at = self.clock()
         if new == "closed":  # the counts stay visible in status while open
