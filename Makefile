@@ -3,25 +3,38 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-8)
+# Install stamps, keyed on pyproject.toml: `make run` installs what running
+# needs (the proxy, the fallback server, the tiny model: `.[fallback]`);
+# `make test` adds the test and lint tools on top (`.[fallback,test]`).
+PYPROJECT_HASH := $(shell cat pyproject.toml | md5sum | cut -c1-8)
+RUN_STAMP := $(VENV)/.installed-run-$(PYPROJECT_HASH)
+TEST_STAMP := $(VENV)/.installed-test-$(PYPROJECT_HASH)
+PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q
 
-.PHONY: setup run test lint typecheck unit vllm-venv bench chaos fuzz litellm-venv clean
+.PHONY: setup setup-run run test lint typecheck unit vllm-venv bench chaos fuzz litellm-venv clean
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
+setup-run: $(RUN_STAMP)
 
 # torch first, pinned to the CPU wheel that lies on these machines' disk;
 # a bare `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q torch==2.13.0
-	PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q -e '.[fallback,test]'
-	rm -f $(VENV)/.installed-*
-	touch $@
+$(RUN_STAMP): pyproject.toml
+	@echo "== installing the proxy, the fallback server and torch (CPU) into $(VENV) (once, about a minute)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) torch==2.13.0
+	@$(PIP) -e '.[fallback]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+$(TEST_STAMP): $(RUN_STAMP)
+	@echo "== installing the test and lint tools into $(VENV)"
+	@$(PIP) -e '.[fallback,test]'
+	@touch $@
 
 # The proxy on :8080 in front of the fallback server on the tiny model (:8001);
 # a vLLM on :8000 is used as the primary when one runs.
-run: setup
-	PATH=$(VENV)/bin:$$PATH scripts/quickstart.sh
+run: setup-run
+	@PATH=$(VENV)/bin:$$PATH scripts/quickstart.sh
 
 # The vLLM CPU build used by the real-server tests (cached outside the repo).
 vllm-venv:

@@ -16,7 +16,8 @@ import json
 import time
 from collections.abc import Callable
 
-from proxy.guard import Guard, GuardPolicy, MalformedRule, RepetitionRule
+from proxy.guard import Guard
+from proxy.policy import GuardPolicy, MalformedRule, RepetitionRule
 from proxy.sse import SSEFramer
 
 ANSWER = (

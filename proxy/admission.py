@@ -34,30 +34,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.knobs import knob
-from proxy.priority import PRIORITIES, RANK, Priority
+from proxy.policy import PRIORITIES, RANK, AdmissionPolicy, Priority
 
 __all__ = ["PRIORITIES", "Admission", "AdmissionPolicy", "Priority", "Rejected"]
 
 DRAIN_WINDOW_S = 10.0  # busy seconds the drain-rate estimate averages over
 MIN_SERVICE_S = 0.005  # the mean service time is never taken as shorter
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionPolicy:
-    max_inflight: int = knob(64, "Requests in flight at once; normally vLLM's --max-num-seqs.")
-    queue_size: int = knob(64, "Requests that may wait for a slot; beyond it, 429.")
-    queue_timeout_s: float = knob(
-        10.0, "Longest wait for a slot; a request expected to wait longer is refused at once."
-    )
-    default_priority: Priority = knob(
-        "normal", "Priority of requests without `X-Priority` (critical, normal, sheddable)."
-    )
-    key_priorities: tuple[str, ...] = knob(
-        (),
-        "`API_KEY=priority` entries giving a client key a priority; `X-Priority` may only "
-        "lower it, unless the entry names a ceiling: `API_KEY=normal..critical`.",
-    )
 
 
 class Rejected(Exception):

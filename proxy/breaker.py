@@ -40,22 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from proxy.knobs import knob
+from proxy.policy import BreakerPolicy
 
 State = Literal["closed", "open", "half-open"]
 STATE_VALUES: dict[str, int] = {"closed": 0, "half-open": 1, "open": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class BreakerPolicy:
-    fail_max: int = knob(5, "Consecutive failures that open the breaker.")
-    failure_rate: float = knob(
-        0.3, "Failure share over the window that opens the breaker (0 disables)."
-    )
-    min_calls: int = knob(10, "Outcomes needed in the window before the rate counts.")
-    window_s: float = knob(30.0, "Length of the failure-rate window.")
-    reset_timeout_s: float = knob(10.0, "Open → half-open after this long.")
-    half_open_max_calls: int = knob(1, "Trial requests admitted while half-open.")
 
 
 @dataclass(frozen=True, slots=True)

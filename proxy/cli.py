@@ -1,4 +1,4 @@
-"""The `brownout` command line: serve, check, fallback-server, make-tiny-model.
+"""The `brownout` command line: serve, check, reload, fallback-server, make-tiny-model.
 
 Heavy imports (aiohttp app, torch, transformers) happen inside each
 subcommand so `brownout check` stays fast and needs no ML stack.
@@ -7,12 +7,13 @@ subcommand so `brownout check` stays fast and needs no ML stack.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from proxy.config import PolicyError, load_policy
+    from proxy.policy import PolicyError, load_policy
     from proxy.server import run
 
     try:
@@ -21,15 +22,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for line in exc.lines():
             print(line, file=sys.stderr)
         return 2
-    run(policy, host=args.host, port=args.port)
+    try:
+        run(policy, host=args.host, port=args.port)
+    except OSError as exc:  # the address is taken or not ours
+        print(f"brownout serve: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from proxy.config import PolicyError, load_policy
+    from proxy.policy import PolicyError, load_policy
 
     if args.diff:
-        from proxy.state import policy_diff
+        from proxy.policy import policy_diff
 
         try:
             old, new = load_policy(args.file), load_policy(args.diff)
@@ -53,6 +58,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from proxy.policy.jsonschema import render
+
+    sys.stdout.write(render(faq=args.faq))
+    return 0
+
+
 def _cmd_fallback_server(args: argparse.Namespace) -> int:
     from proxy.fallback.server import main as fallback_main
 
@@ -62,44 +74,187 @@ def _cmd_fallback_server(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from proxy.tinymodel import write_tiny_model
 
-    path = write_tiny_model(args.dir, seed=args.seed)
+    try:
+        path = write_tiny_model(args.dir, seed=args.seed)
+    except FileExistsError as exc:
+        print(f"brownout make-tiny-model: error: {exc}", file=sys.stderr)
+        return 1
     print(f"tiny model written to {path}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="brownout", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _cmd_reload(args: argparse.Namespace) -> int:
+    from proxy.adminclient import render, request_reload
 
-    serve = sub.add_parser("serve", help="run the proxy")
-    serve.add_argument("--config", required=True, help="policy YAML file")
-    serve.add_argument("--host", default=None, help="override server.host")
-    serve.add_argument("--port", type=int, default=None, help="override server.port")
+    token = args.token if args.token is not None else os.environ.get("BROWNOUT_ADMIN_TOKEN")
+    rc, out, err = render(request_reload(args.url, token, args.timeout))
+    for line in out:
+        print(line)
+    for line in err:
+        print(line, file=sys.stderr)
+    return rc
+
+
+EXIT_CODES = """\
+exit codes:
+  0  success (serve and fallback-server: stopped by SIGINT or SIGTERM)
+  1  check: the policy is invalid; reload: the proxy rejected the new policy
+     and keeps the running one; serve, fallback-server: cannot listen
+  2  bad command line; serve: the policy is invalid (nothing started);
+     fallback-server: the model does not load or a limit is out of range
+  3  reload: the proxy could not be reached or refused the request
+     (wrong token, admin endpoints off)"""
+
+# The lines of EXIT_CODES that concern each subcommand, shown in its --help.
+_SUB_EXIT_CODES = {
+    "serve": "0 stopped by a signal · 1 cannot listen · 2 bad options or invalid policy",
+    "check": "0 valid (with --diff: both valid) · 1 invalid, with FILE:LINE lines · 2 bad options",
+    "reload": (
+        "0 reloaded · 1 rejected (errors printed; the running policy stays) · "
+        "2 bad options · 3 unreachable or refused (token, admin off)"
+    ),
+    "fallback-server": ("0 stopped by a signal · 1 cannot listen · 2 bad options, model or limits"),
+    "make-tiny-model": "0 written (or already there) · 1 DIR holds something else · 2 bad options",
+    "schema": "0 printed · 2 bad options",
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default; options that default to None say what
+    happens instead in their own help, so "(default: None)" is never shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.required or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _TopHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`brownout --help`: the docstring and the exit-code table as written."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from proxy import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="brownout", description=__doc__, epilog=EXIT_CODES, formatter_class=_TopHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy.")
+    serve.add_argument("--config", required=True, metavar="FILE", help="policy YAML file")
+    serve.add_argument(
+        "--host", default=None, help="listen address (default: the policy's server.host)"
+    )
+    serve.add_argument(
+        "--port", type=int, default=None, help="listen port (default: the policy's server.port)"
+    )
     serve.set_defaults(func=_cmd_serve)
 
     check = sub.add_parser(
-        "check", help="validate a policy file (with --diff: what a reload to NEW would change)"
+        "check",
+        help="validate a policy file (with --diff: what a reload to NEW would change)",
+        description="Validate a policy file; with --diff, list what a reload to NEW would change.",
     )
     check.add_argument("file", help="the policy (OLD with --diff)")
-    check.add_argument("--diff", metavar="NEW", default=None, help="compare FILE with NEW")
+    check.add_argument(
+        "--diff", metavar="NEW", default=None, help="compare FILE with NEW (default: no comparison)"
+    )
     check.set_defaults(func=_cmd_check)
 
-    fb = sub.add_parser("fallback-server", help="run the Transformers OpenAI-compatible server")
-    fb.add_argument("--model", required=True, help="model directory (local, no hub downloads)")
-    fb.add_argument("--host", default="127.0.0.1")
-    fb.add_argument("--port", type=int, default=8001)
-    fb.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    fb.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    fb.add_argument("--max-concurrency", type=int, default=1)
-    fb.add_argument("--max-queue", type=int, default=8)
-    fb.add_argument("--served-model-name", default=None)
-    fb.add_argument("--max-model-len", type=int, default=None)
+    schema = sub.add_parser(
+        "schema", help="print the policy's JSON Schema (draft 2020-12), for editors and CI"
+    )
+    schema.add_argument(
+        "--faq", action="store_true", help="the schema of an FAQ file (faq.file) instead"
+    )
+    schema.set_defaults(func=_cmd_schema)
+
+    reload = sub.add_parser(
+        "reload",
+        help="make a running proxy re-read its policy file (POST /brownout/reload)",
+        description=(
+            "Make a running proxy re-read its policy file, through POST /brownout/reload "
+            "with the admin token (the same as `kill -HUP` on the serve process), and print "
+            "what changed or why the new policy was rejected."
+        ),
+    )
+    reload.add_argument("--url", default="http://127.0.0.1:8080", help="the proxy's base URL")
+    reload.add_argument(
+        "--token",
+        default=None,
+        help="the policy's server.admin_token (default: $BROWNOUT_ADMIN_TOKEN)",
+    )
+    reload.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to wait for the answer"
+    )
+    reload.set_defaults(func=_cmd_reload)
+
+    fb = sub.add_parser(
+        "fallback-server",
+        help="run the Transformers OpenAI-compatible server",
+        description="Run the Transformers OpenAI-compatible server on a local model directory.",
+    )
+    fb.add_argument(
+        "--model", required=True, metavar="DIR", help="model directory (local, no hub downloads)"
+    )
+    fb.add_argument("--host", default="127.0.0.1", help="listen address")
+    fb.add_argument("--port", type=int, default=8001, help="listen port")
+    fb.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch device")
+    fb.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights dtype",
+    )
+    fb.add_argument(
+        "--max-concurrency",
+        metavar="N",
+        type=int,
+        default=1,
+        help="generations running at the same time",
+    )
+    fb.add_argument(
+        "--max-queue",
+        metavar="N",
+        type=int,
+        default=8,
+        help="requests waiting for a slot before 429",
+    )
+    fb.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model name in the API (default: the model directory's name)",
+    )
+    fb.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context window in tokens (default: the model's max_position_embeddings)",
+    )
     fb.set_defaults(func=_cmd_fallback_server)
 
-    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight Llama, offline")
-    tiny.add_argument("dir")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny = sub.add_parser(
+        "make-tiny-model",
+        help="write a tiny random-weight Llama, offline",
+        description="Write a tiny random-weight Llama chat model to DIR, offline (about 3 MB).",
+    )
+    tiny.add_argument(
+        "dir", metavar="DIR", help="where to write it (created; kept if already there)"
+    )
+    tiny.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights (same seed, same model)"
+    )
     tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    # Every subcommand (including ones added above this line later) shows its
+    # defaults and its exit codes.
+    for name, subparser in sub.choices.items():
+        subparser.formatter_class = _HelpFormatter
+        if subparser.epilog is None and name in _SUB_EXIT_CODES:
+            subparser.epilog = f"exit codes: {_SUB_EXIT_CODES[name]}"
     return parser
 
 

@@ -28,7 +28,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.admission import Priority, Rejected
+from proxy.admission import Rejected
 from proxy.breaker import Permit
 from proxy.conversation import (
     SessionContext,
@@ -40,6 +40,7 @@ from proxy.conversation import (
 from proxy.errors import JSON_CT, RequestRejected, error_body, error_response
 from proxy.guard import StreamGuard, Trip
 from proxy.maintenance import last_user_text, render_json, render_stream
+from proxy.policy import Priority
 from proxy.relay import StreamResult, end_with_error, has_finish_reason, relay_stream
 from proxy.rescue import continuation_body, partial_text
 from proxy.runtime import Runtime

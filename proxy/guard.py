@@ -54,134 +54,15 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
 from proxy.chunkrun import CONTENT_RE, TEXT_RE, Run, single_choice_events
-from proxy.knobs import knob
+from proxy.policy import GuardPolicy
 from proxy.sse import DONE, DONE_EVENT, SSEParser, error_events
 
-Action = Literal["abort", "log"]
 RuleName = Literal[
     "control_chars", "replacement_chars", "special_tokens", "repetition", "malformed"
 ]
 
 
 # --------------------------------------------------------------------------- policy
-
-
-@dataclass(frozen=True, slots=True)
-class ControlCharsRule:
-    enabled: bool = knob(
-        True,
-        "Stop answers whose text contains a control character other than tab, "
-        "newline and carriage return (U+0000–U+001F, U+007F).",
-    )
-    c1: bool = knob(
-        True,
-        "Count the C1 controls U+0080–U+009F too (in text they are mojibake or garbage, "
-        "never language).",
-    )
-    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
-
-
-@dataclass(frozen=True, slots=True)
-class ReplacementCharsRule:
-    enabled: bool = knob(
-        True,
-        "Stop answers dense in U+FFFD (undecodable bytes). Byte-level BPE models emit the "
-        "odd one legitimately, so the rule counts per window rather than on the first.",
-    )
-    window_chars: int = knob(64, "Window of answer text, in characters.")
-    max_in_window: int = knob(
-        24,
-        "More U+FFFD than this within any `window_chars` characters trips the rule. A "
-        "random-weight tiny model peaks at 15 per 64; mis-decoded output is mostly U+FFFD.",
-    )
-    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
-
-    def __post_init__(self) -> None:
-        if self.window_chars < 1:
-            raise ValueError("window_chars must be >= 1")
-        if not 0 <= self.max_in_window < self.window_chars:
-            raise ValueError("max_in_window must be >= 0 and less than window_chars")
-
-
-@dataclass(frozen=True, slots=True)
-class SpecialTokensRule:
-    enabled: bool = knob(
-        True,
-        "Stop answers that contain one of `tokens` as text (a leaked chat-template marker "
-        "or stop string; found even when split across chunks).",
-    )
-    tokens: tuple[str, ...] = knob(
-        ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "</s>", "<s>"),
-        "Strings that must never appear in an answer (case-sensitive).",
-    )
-    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
-
-    def __post_init__(self) -> None:
-        if any(not t for t in self.tokens):
-            raise ValueError("tokens must not contain an empty string")
-        if any(len(t) > 256 for t in self.tokens):
-            raise ValueError("tokens must be at most 256 characters long")
-
-
-@dataclass(frozen=True, slots=True)
-class RepetitionRule:
-    enabled: bool = knob(
-        True,
-        "Stop degenerate loops: the answer's last characters repeat one unit of "
-        "`1..max_period` characters at least `min_repeats` times and over at least "
-        "`min_chars` characters (i.e. the last max(min_repeats × period, min_chars) "
-        "characters have that period; a partial last unit counts). Checked every 16 new "
-        "characters.",
-    )
-    max_period: int = knob(128, "Longest repeated unit looked for, in characters.")
-    min_repeats: int = knob(
-        8, "Repeats of the unit needed; long units trip on this (8 × 100-char sentence)."
-    )
-    min_chars: int = knob(
-        512,
-        "Characters the repetition must cover; short units trip on this, so runs of "
-        "indentation, `-----` rules or `0, 0, 0` rows in ordinary answers do not.",
-    )
-    action: Action = knob("abort", "`abort` stops the stream; `log` only counts and logs.")
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_period <= 4096:
-            raise ValueError("max_period must be 1..4096")
-        if self.min_repeats < 2:
-            raise ValueError("min_repeats must be >= 2")
-        if not 1 <= self.min_chars <= 65536:
-            raise ValueError("min_chars must be 1..65536")
-
-
-@dataclass(frozen=True, slots=True)
-class MalformedRule:
-    enabled: bool = knob(
-        True,
-        "Catch events that are not completion chunks: data that is not JSON, or a JSON "
-        "object without a `choices` list (error objects, `[DONE]`, comments and usage-only "
-        "chunks with `choices: []` are fine).",
-    )
-    action: Literal["drop", "abort"] = knob(
-        "drop",
-        "`drop` removes the event and keeps streaming (the client could not parse it "
-        "anyway, and a cut-off last event stays the relay's truncation error); `abort` stops "
-        "the stream. A malformed non-streaming body always trips.",
-    )
-    strict_json: bool = knob(
-        False,
-        "Parse every event as JSON (≈3 µs each) instead of checking its shape on bytes; "
-        "only events that look odd are parsed otherwise.",
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class GuardPolicy:
-    enabled: bool = knob(True, "Output guard on answers (stream events and non-streaming bodies).")
-    control_chars: ControlCharsRule = knob(ControlCharsRule, "")
-    replacement_chars: ReplacementCharsRule = knob(ReplacementCharsRule, "")
-    special_tokens: SpecialTokensRule = knob(SpecialTokensRule, "")
-    repetition: RepetitionRule = knob(RepetitionRule, "")
-    malformed: MalformedRule = knob(MalformedRule, "")
 
 
 # --------------------------------------------------------------------------- verdicts

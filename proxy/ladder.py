@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.knobs import knob
+from proxy.policy import RecoveryPolicy
 
 Tier = Literal["normal", "throttle", "failover", "maintenance"]
 Destination = Literal["primary", "fallback", "maintenance"]
@@ -63,22 +63,6 @@ REASONS = frozenset(
         "ramp_rollback",
     }
 )
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveryPolicy:
-    window_s: float = knob(1.0, "How often the ladder evaluates its signals.")
-    min_dwell_s: float = knob(10.0, "Least time in a tier before stepping down from it.")
-    healthy_windows: int = knob(
-        3, "Consecutive evaluations asking for a better tier before stepping down."
-    )
-    ramp: tuple[float, ...] = knob(
-        (0.05, 0.2, 0.5, 1.0), "Traffic shares for a recovered backend, step by step."
-    )
-    ramp_step_s: float = knob(10.0, "Time on each ramp step (without errors) before the next.")
-    ramp_max_failures: int = knob(
-        1, "Failures of the recovered backend during the ramp that roll back."
-    )
 
 
 @dataclass(frozen=True, slots=True)

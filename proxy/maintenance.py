@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.config import FaqEntry, FaqPolicy, MaintenancePolicy
+from proxy.policy import FaqEntry, FaqPolicy, MaintenancePolicy
 
 _WORD = re.compile(r"[a-z0-9]+")
 _STOP = frozenset(

@@ -205,7 +205,7 @@ class Metrics:
 
         self.session_ops = Counter(
             "brownout_session_ops",
-            "Session store operations by result (ok, unavailable).",
+            "Session store operations by result (ok, unavailable, queued, late, rejected).",
             ["op", "result"],
             registry=r,
         )
@@ -276,6 +276,12 @@ class Metrics:
         self.reload_failures = Counter(
             "brownout_policy_reload_failures",
             "Policy reloads rejected (the running policy stayed).",
+            registry=r,
+        )
+        self.loop_errors = Counter(
+            "brownout_loop_errors",
+            "Unexpected exceptions in background work (the loop went on after a backoff).",
+            ["loop"],
             registry=r,
         )
         r.register(_LogDrops())

@@ -29,48 +29,14 @@ import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
-from proxy.admission import AdmissionPolicy
-from proxy.knobs import knob
+from proxy.policy import ThrottlePolicy
 
 # vLLM gauge names, current first; older releases used the second.
 WAITING = ("vllm:num_requests_waiting",)
 RUNNING = ("vllm:num_requests_running",)
 KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 REJECTIONS = ("vllm:admission_rejections_total",)
-
-
-@dataclass(frozen=True, slots=True)
-class ThrottlePolicy(AdmissionPolicy):
-    enabled: bool = knob(True, "Tier 1: hold concurrency when the engine saturates.")
-    mode: Literal["fixed", "adaptive"] = knob(
-        "adaptive", "How the throttle tier sets the limit: `fixed` or `adaptive` (AIMD)."
-    )
-    throttled_limit: int = knob(8, "The limit in the throttle tier when `mode: fixed`.")
-    min_limit: int = knob(1, "The adaptive limit never goes below this.")
-    decrease_factor: float = knob(0.75, "Adaptive: limit × this per window under pressure.")
-    increase_step: int = knob(1, "Adaptive: limit + this per window without pressure.")
-    scrape_interval_s: float = knob(1.0, "How often vLLM's /metrics is read (0 = never).")
-    waiting_high: float = knob(
-        8.0, "Pressure when vLLM has this many requests waiting (summed over engines)."
-    )
-    kv_cache_high: float = knob(0.95, "Pressure when vLLM's KV-cache usage reaches this (0–1).")
-    ttft_factor: float = knob(
-        1.8, "Pressure when the short-window TTFT P95 exceeds this × the baseline P95."
-    )
-    ttft_window_s: float = knob(60.0, "Short window of the TTFT rule.")
-    baseline_window_s: float = knob(3600.0, "Baseline window of the TTFT rule (rolling P95).")
-    min_samples: int = knob(20, "TTFT samples needed in each window before the rule counts.")
-    queue_wait_high_s: float = knob(
-        2.0,
-        "Pressure when the P95 admission queue wait reaches this (counted only while "
-        "the limit is `max_inflight`: waits the throttle causes itself do not feed it).",
-    )
-    queue_wait_window_s: float = knob(10.0, "Window of the queue-wait rule.")
-    clear_ratio: float = knob(
-        0.5, "Pressure clears when every signal is below this × its high mark."
-    )
 
 
 class Window:

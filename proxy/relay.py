@@ -155,7 +155,10 @@ class _Pump:
         self.first_event = False
         self.timed_out = False
         self._hb_task: asyncio.Task[None] | None = None
-        self._hb_handle = self.loop.call_later(heartbeat_s, self._on_heartbeat)
+        # heartbeat_s 0 = no heartbeats.
+        self._hb_handle: asyncio.TimerHandle | None = (
+            self.loop.call_later(heartbeat_s, self._on_heartbeat) if heartbeat_s > 0 else None
+        )
         self._idle_handle: asyncio.TimerHandle | None = None
 
     # -- timers ------------------------------------------------------------------
@@ -193,7 +196,8 @@ class _Pump:
             await task
 
     def stop(self) -> None:
-        self._hb_handle.cancel()
+        if self._hb_handle is not None:
+            self._hb_handle.cancel()
         if self._idle_handle is not None:
             self._idle_handle.cancel()
         if self._hb_task is not None and not self._hb_task.done():

@@ -19,19 +19,19 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from proxy.admission import Admission, Priority
+from proxy.admission import Admission
 from proxy.breaker import STATE_VALUES, Permit
-from proxy.config import Policy
 from proxy.conversation import TurnIds
 from proxy.guard import Guard
 from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
+from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
 from proxy.pressure import PressureMonitor, next_limit
-from proxy.priority import Grant, parse_key_priorities
 from proxy.saves import PendingSaves
 from proxy.sessions import MemorySessionStore, SessionStore
 from proxy.shared import SharedState
+from proxy.supervise import Supervisor
 from proxy.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.upstream import Upstream
 
@@ -50,6 +50,8 @@ class Runtime:
     inflight: int = 0
     started_at: float = field(default_factory=time.time)
     _request_counters: dict[tuple[str, str, int], Counter] = field(default_factory=dict)
+    # The app's background work (shared by generations); a private one if None.
+    supervisor: Supervisor | None = None
 
     def __post_init__(self) -> None:
         pol = self.policy
@@ -61,13 +63,7 @@ class Runtime:
         self.key_grants = parse_key_priorities(throttle.key_priorities)
         self.default_grant = Grant(throttle.default_priority, throttle.default_priority)
         m = self.metrics
-        m.admission_limit.set_function(lambda: self.admission.limit)
-        m.admission_inflight.set_function(lambda: self.admission.inflight)
-        m.queue_depth.set_function(lambda: self.admission.queued)
-        m.pressure.set_function(lambda: 1 if self.pressure.active else 0)
-        m.upstream_waiting.set_function(lambda: self.pressure.engine.waiting)
-        m.upstream_running.set_function(lambda: self.pressure.engine.running)
-        m.upstream_kv_cache.set_function(lambda: self.pressure.engine.kv_cache)
+        self.tasks: Supervisor = self.supervisor or Supervisor(m.loop_errors)
         self._wall_offset = time.time() - self.clock()
         self._evaluate_soon: asyncio.Handle | None = None
         # Sessions and token counters: set up in the app's cleanup context.
@@ -82,18 +78,33 @@ class Runtime:
             pol.sessions.pending_saves,
             on_saved=lambda: m.session_ops.labels("save", "late").inc(),
             on_dropped=m.session_turns_dropped.inc,
+            on_rejected=lambda: m.session_ops.labels("save", "rejected").inc(),
         )
-        m.session_saves_waiting.set_function(lambda: len(self.pending_saves))
         self._estimate = EstimateTokenCounter()
-        m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
         self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None
         self.shared: SharedState | None = None
         self._applying_remote = False
-        self._background: set[asyncio.Task[None]] = set()
+
+    def bind_gauges(self) -> None:
+        """Point the app's gauges at this generation: called when it goes
+        live, never for one that is still being built (a failed reload
+        must not leave them reading what it threw away)."""
+        m, pol = self.metrics, self.policy
+        m.admission_limit.set_function(lambda: self.admission.limit)
+        m.admission_inflight.set_function(lambda: self.admission.inflight)
+        m.queue_depth.set_function(lambda: self.admission.queued)
+        m.pressure.set_function(lambda: 1 if self.pressure.active else 0)
+        m.upstream_waiting.set_function(lambda: self.pressure.engine.waiting)
+        m.upstream_running.set_function(lambda: self.pressure.engine.running)
+        m.upstream_kv_cache.set_function(lambda: self.pressure.engine.kv_cache)
+        m.session_saves_waiting.set_function(lambda: len(self.pending_saves))
+        m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
         m.shared_up.set_function(
             lambda: 1 if self.shared is not None and self.shared.healthy else 0
         )
         m.shared_configured.set_function(lambda: 1 if pol.ladder.shared.redis else 0)
+        for up in self.upstreams.values():
+            m.breaker_state.labels(up.name).set_function(_breaker_gauge(up))
 
     def adopt(self, prev: Runtime) -> None:
         """Carry what the previous generation learnt across a policy reload."""
@@ -113,21 +124,22 @@ class Runtime:
             self.admission.set_limit(throttle.max_inflight)
         self.pressure = prev.pressure
         self.pressure.set_policy(throttle)
-        if self.store is prev.store:
-            self.pending_saves = prev.pending_saves
+        # One queue per process: turns that wait out an outage are written by
+        # whichever generation is current when the store answers again.
+        self.pending_saves = prev.pending_saves
+        self.pending_saves.limit = self.policy.sessions.pending_saves
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Fire-and-forget work (shared-state writes) that must not delay a request."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str = "spawn") -> None:
+        """Fire-and-forget work (shared-state writes) that must not delay a
+        request; referenced until done, its failure logged and counted."""
+        self.tasks.spawn(name, coro)
 
     def force_tier(self, tier: Tier | None) -> None:
         self.ladder.force(tier)
         if tier is None:
             self.evaluate()
         if self.shared is not None and not self._applying_remote:
-            self.spawn(self.shared.publish_forced(tier))
+            self.spawn(self.shared.publish_forced(tier), "shared_publish")
 
     async def sync_shared(self) -> None:
         """Apply what other replicas decided (breakers opened, a forced tier)."""
@@ -177,9 +189,6 @@ class Runtime:
     def add_upstream(self, upstream: Upstream) -> None:
         self.upstreams[upstream.name] = upstream
         self.backend_metrics[upstream.name] = self.metrics.for_backend(upstream.name)
-        self.metrics.breaker_state.labels(upstream.name).set_function(
-            lambda: STATE_VALUES[upstream.breaker.state]
-        )
 
     # -- routing -----------------------------------------------------------------
 
@@ -251,7 +260,10 @@ class Runtime:
 
     def _evaluate_now(self) -> None:
         self._evaluate_soon = None
-        self.evaluate()
+        try:
+            self.evaluate()
+        except Exception as exc:  # a loop callback: asyncio would only print it
+            self.tasks.failed("evaluate_soon", exc)
 
     def report_success(self, up: Upstream, *, permit: Permit) -> None:
         up.breaker.record_success(permit)
@@ -269,7 +281,7 @@ class Runtime:
         if new == "open" and self.shared is not None and not self._applying_remote:
             ttl = self.policy.ladder.breaker.reset_timeout_s
             with contextlib.suppress(RuntimeError):
-                self.spawn(self.shared.publish_breaker_open(name, reason, ttl))
+                self.spawn(self.shared.publish_breaker_open(name, reason, ttl), "shared_publish")
         # No running loop only in unit tests of the breaker alone.
         with contextlib.suppress(RuntimeError):
             self.evaluate_soon()
@@ -302,7 +314,7 @@ class Runtime:
         for name, up in self.upstreams.items():
             h = up.health
             backends[name] = {
-                "url": up.policy.url,
+                "url": redact_url(up.policy.url),
                 "kind": up.policy.kind,
                 "healthy": h.healthy,
                 "down": up.down,
@@ -351,7 +363,7 @@ class Runtime:
                 },
             },
             "sessions": {
-                "store": self.policy.sessions.store.split("@")[-1],
+                "store": redact_url(self.policy.sessions.store),
                 "healthy": self.store.healthy,
                 "last_error": self.store.last_error,
                 "saves_waiting": len(self.pending_saves),
@@ -360,6 +372,10 @@ class Runtime:
             "policy": {"source": self.policy.source},
             "uptime_s": round(time.time() - self.started_at, 1),
         }
+
+
+def _breaker_gauge(up: Upstream) -> Callable[[], float]:
+    return lambda: STATE_VALUES[up.breaker.state]
 
 
 def _why(up: Upstream) -> str:

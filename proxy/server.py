@@ -10,9 +10,9 @@ import structlog
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.config import Policy
 from proxy.keys import STATE
 from proxy.logs import configure_logging
+from proxy.policy import Policy
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -70,11 +70,9 @@ async def _reload_on_sighup(app: web.Application) -> None:
     """`kill -HUP` re-reads the policy, like nginx."""
     state = app[STATE]
     loop = asyncio.get_running_loop()
-    pending: set[asyncio.Task[object]] = set()
 
     def on_hup() -> None:
-        task: asyncio.Task[object] = loop.create_task(state.reload("sighup"))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
+        # Supervised: an exception is logged and counted, never lost.
+        state.supervisor.spawn("reload_sighup", state.reload("sighup"))
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)

@@ -23,82 +23,41 @@ answer, and concurrent appends to one session are all kept, in commit order.
 Redis layout: hash `{prefix}session:{scope}:{id}` with fields `history` (JSON
 list of the last `max_turns` turns' messages) and `last_active` (unix
 seconds); its TTL (`ttl_s`) is refreshed by every load and append.
+
+Text is stored losslessly: a lone surrogate (the JSON escape `\\ud800`, legal
+in a request and in model output, not representable in UTF-8) is written as
+its WTF-8 bytes (`surrogatepass`; `proxy.redis_sessions.encode_json`) and read
+back as the same code point, so a turn is stored exactly as the client and
+the model produced it. Valid text is plain UTF-8, byte for byte. The Redis
+store lives in `proxy.redis_sessions`, loaded only when a policy names one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
-import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import orjson
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
-from proxy.knobs import knob
-from proxy.redisbatch import ScriptBatcher
-from proxy.trim import TrimPolicy
+from proxy.policy import SessionsPolicy
 
 __all__ = [
     "MemorySessionStore",
-    "RedisSessionStore",
     "SessionIdError",
     "SessionStore",
     "SessionStoreUnavailable",
+    "SessionTurnRejected",
     "SessionsPolicy",
     "Turn",
     "make_store",
     "session_key",
+    "store_identity",
 ]
 
-log = logging.getLogger(__name__)
-
 Clock = Callable[[], float]
-
-
-@dataclass(frozen=True, slots=True)
-class SessionsPolicy:
-    store: str = knob("memory://", "`memory://` or `redis://host:port/db`.")
-    ttl_s: int = knob(86400, "Session lifetime, refreshed on use.")
-    max_turns: int = knob(20, "Turns kept per session.")
-    key_prefix: str = knob("brownout:", "Prefix of every Redis key.")
-    redis_timeout_s: float = knob(
-        0.25,
-        "Deadline of one Redis operation (connect included); past it the request goes "
-        "on without history instead of waiting.",
-    )
-    redis_max_connections: int = knob(
-        32, "Redis connection pool size; a request waits at most redis_timeout_s for one."
-    )
-    max_sessions: int = knob(
-        10000, "memory:// only: sessions kept; the least recently used are evicted."
-    )
-    pending_saves: int = knob(
-        10000,
-        "Finished turns kept in memory while the store is down, saved in order when it "
-        "returns (past this, the oldest is dropped and counted).",
-    )
-    trimming: TrimPolicy = knob(TrimPolicy, "Fitting history into the context window.")
-
-    def __post_init__(self) -> None:
-        # Raised errors are reported by the config loader at the section's line.
-        if self.ttl_s < 1:
-            raise ValueError("ttl_s must be >= 1")
-        if self.redis_timeout_s <= 0:
-            raise ValueError("redis_timeout_s must be > 0")
-        if self.redis_max_connections < 1:
-            raise ValueError("redis_max_connections must be >= 1")
-        if self.max_sessions < 1:
-            raise ValueError("max_sessions must be >= 1")
 
 
 # --------------------------------------------------------------------------- errors
@@ -110,6 +69,12 @@ class SessionIdError(ValueError):
 
 class SessionStoreUnavailable(Exception):
     """The session store did not answer in time or failed; the request can go on without it."""
+
+
+class SessionTurnRejected(SessionStoreUnavailable):
+    """The store answered, but refused these turns (a script error on their
+    contents): retrying the same turns cannot succeed, so a queue of waiting
+    saves must not wait behind them forever."""
 
 
 # --------------------------------------------------------------------------- keys
@@ -189,6 +154,19 @@ class SessionStore(Protocol):
 
     async def close(self) -> None: ...
 
+    def retune(self, policy: SessionsPolicy) -> None:
+        """Apply the knobs that need no new connection (ttl_s, max_turns,
+        max_sessions) in place: a reload keeps the store and its sessions."""
+        ...
+
+
+def store_identity(policy: SessionsPolicy) -> tuple[Any, ...]:
+    """What a store object is built from; a reload that changes any other
+    `sessions.*` knob keeps the running store (and, for memory://, its sessions)."""
+    if policy.store == "memory://":
+        return (policy.store,)
+    return (policy.store, policy.redis_timeout_s, policy.redis_max_connections)
+
 
 def make_store(policy: SessionsPolicy, *, clock: Clock = time.time) -> SessionStore:
     """The store the policy names (no I/O: Redis connects on first use)."""
@@ -199,6 +177,8 @@ def make_store(policy: SessionsPolicy, *, clock: Clock = time.time) -> SessionSt
             max_turns=policy.max_turns,
             clock=clock,
         )
+    from proxy.redis_sessions import RedisSessionStore  # redis is loaded only when used
+
     return RedisSessionStore.from_url(
         policy.store,
         ttl_s=policy.ttl_s,
@@ -306,234 +286,11 @@ class MemorySessionStore:
     async def close(self) -> None:
         self._entries.clear()
 
-
-# --------------------------------------------------------------------------- redis://
-
-# KEYS[1] session hash; ARGV: ttl_s, now. Refreshes the TTL only of an existing
-# session (a load must not create one).
-_LOAD_LUA = """
-local raw = redis.call('HGET', KEYS[1], 'history')
-if raw then
-  redis.call('HSET', KEYS[1], 'last_active', ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[1])
-end
-return raw
-"""
-
-# KEYS[1] session hash; ARGV: JSON list of new messages, messages to keep
-# (2 × max_turns), ttl_s, now. One atomic round trip: concurrent appends all
-# land, in commit order. Unreadable stored history is replaced, not fatal.
-_APPEND_LUA = """
-local history = {}
-local raw = redis.call('HGET', KEYS[1], 'history')
-if raw then
-  local ok, decoded = pcall(cjson.decode, raw)
-  if ok and type(decoded) == 'table' then history = decoded end
-end
--- Ids of the last turns stored: a turn whose save is retried lands once.
-local ids = {}
-local rawids = redis.call('HGET', KEYS[1], 'turn_ids')
-if rawids then
-  local ok, decoded = pcall(cjson.decode, rawids)
-  if ok and type(decoded) == 'table' then ids = decoded end
-end
-local seen = {}
-for _, v in ipairs(ids) do seen[v] = true end
-local msgs = cjson.decode(ARGV[1])
-for i, tid in ipairs(cjson.decode(ARGV[5])) do
-  if tid == '' or not seen[tid] then
-    history[#history + 1] = msgs[2 * i - 1]
-    history[#history + 1] = msgs[2 * i]
-    if tid ~= '' then ids[#ids + 1] = tid; seen[tid] = true end
-  end
-end
-local keep = tonumber(ARGV[2])
-local n = #history
-if n > keep then
-  local kept = {}
-  for i = n - keep + 1, n do kept[#kept + 1] = history[i] end
-  history = kept
-end
-if #ids > 64 then
-  local recent = {}
-  for i = #ids - 63, #ids do recent[#recent + 1] = ids[i] end
-  ids = recent
-end
-local fields = {'history', cjson.encode(history), 'last_active', ARGV[4]}
-if #ids > 0 then
-  fields[#fields + 1] = 'turn_ids'
-  fields[#fields + 1] = cjson.encode(ids)
-end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return #history
-"""
-
-
-class RedisSessionStore:
-    """Sessions in Redis through one pooled asyncio client.
-
-    Every operation runs under one deadline (`timeout_s`, connect and pool
-    wait included) and fails with SessionStoreUnavailable past it. There are no
-    client-side retries: a retried append could store a turn twice, and the
-    pool replaces dead connections when they are checked out, so operations
-    work again as soon as Redis is back.
-    """
-
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        *,
-        ttl_s: int = 86400,
-        max_turns: int = 20,
-        timeout_s: float = 0.25,
-        clock: Clock = time.time,
-    ) -> None:
-        self._client = client
-        self._ttl_s = ttl_s
-        self._max_turns = max_turns
-        self._timeout_s = timeout_s
-        self._clock = clock
-        self._scripts = ScriptBatcher(client, {"load": _LOAD_LUA, "append": _APPEND_LUA}, timeout_s)
-        self._healthy = True
-        self._last_error: str | None = None
-        self._stragglers: set[asyncio.Future[Any]] = set()  # timed-out operations
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        ttl_s: int = 86400,
-        max_turns: int = 20,
-        timeout_s: float = 0.25,
-        max_connections: int = 32,
-        clock: Clock = time.time,
-    ) -> RedisSessionStore:
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout_s,  # wait for a free connection
-            # No socket_timeout: every call is bounded by `_call` (a wait_for
-            # around each socket read would cost more than the command). The
-            # connect timeout stays: a handshake may absorb a cancellation.
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
+    def retune(self, policy: SessionsPolicy) -> None:
+        # Lifetimes already granted stay; the new ttl applies from the next use.
+        self.ttl_s, self.max_turns, self.max_sessions = (
+            policy.ttl_s,
+            policy.max_turns,
+            policy.max_sessions,
         )
-        client = aioredis.Redis.from_pool(pool)  # the client owns and closes the pool
-        return cls(client, ttl_s=ttl_s, max_turns=max_turns, timeout_s=timeout_s, clock=clock)
-
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
-
-    @property
-    def last_error(self) -> str | None:
-        return self._last_error
-
-    async def _call(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        # The operation runs as its own task and the caller waits at most
-        # timeout_s for it. A plain asyncio.timeout() is not enough: redis-py's
-        # connect handshake can absorb the cancellation (seen on Python 3.11
-        # with a hung server: 2 × timeout_s). A late task is cancelled and
-        # finishes in the background, bounded by the socket timeouts.
-        task = asyncio.ensure_future(fn())
-        try:
-            done, _ = await asyncio.wait({task}, timeout=self._timeout_s)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if not done:
-            task.cancel()
-            self._stragglers.add(task)
-            task.add_done_callback(self._reap)
-            raise self._failed(op, f"timed out after {self._timeout_s}s")
-        try:
-            result = task.result()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
-        if not self._healthy:
-            log.warning("session store available again")
-            self._healthy = True
-        return result
-
-    async def _script(self, op: str, keys: list[str], args: list[Any]) -> Any:
-        """A script call, batched with concurrent ones (`proxy.redisbatch`).
-        Abandoning the plain future at the deadline is immediate."""
-        try:
-            result = await self._scripts.call(op, keys, args)  # fails at the deadline
-        except TimeoutError:
-            raise self._failed(op, f"timed out after {self._timeout_s}s") from None
-        except (RedisError, OSError) as exc:
-            raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
-        if not self._healthy:
-            log.warning("session store available again")
-            self._healthy = True
-        return result
-
-    def _reap(self, task: asyncio.Future[Any]) -> None:
-        self._stragglers.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: the caller already got SessionStoreUnavailable
-
-    def _failed(self, op: str, why: str) -> SessionStoreUnavailable:
-        if self._healthy:
-            log.warning("session store unavailable: %s %s", op, why)
-        self._healthy = False
-        self._last_error = f"{op}: {why}"
-        return SessionStoreUnavailable(f"session store {op} failed: {why}")
-
-    async def load(self, key: str) -> list[dict[str, str]]:
-        now = int(self._clock())
-        raw = await self._script("load", [key], [self._ttl_s, now])
-        if raw is None:
-            return []
-        try:
-            history = json.loads(raw)
-        except ValueError:
-            log.warning("session history is not JSON; ignoring it")
-            return []
-        if not isinstance(history, list):  # cjson writes an empty list as {}
-            return []
-        return [
-            {"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
-            for m in history
-            if isinstance(m, dict)
-        ]
-
-    async def append(
-        self,
-        key: str,
-        new_turns: Sequence[Turn],
-        max_turns: int | None = None,
-        ttl_s: int | None = None,
-    ) -> int:
-        keep = 2 * (self._max_turns if max_turns is None else max_turns)
-        ttl = self._ttl_s if ttl_s is None else ttl_s
-        if keep < 2 or ttl < 1:
-            raise ValueError("max_turns and ttl_s must be >= 1")
-        if not new_turns:  # nothing to store; an empty append must not create a session
-            return len(await self.load(key)) // 2
-        payload = orjson.dumps(_turn_messages(new_turns))
-        ids = orjson.dumps([t.id for t in new_turns])
-        now = int(self._clock())
-        n = await self._script("append", [key], [payload, keep, ttl, now, ids])
-        return int(n) // 2
-
-    async def delete(self, key: str) -> None:
-        await self._call("delete", lambda: self._client.delete(key))
-
-    async def ping(self) -> bool:
-        try:
-            await self._call("ping", self._client.ping)
-        except SessionStoreUnavailable:
-            return False
-        return True
-
-    async def close(self) -> None:
-        await self._scripts.close()
-        for task in list(self._stragglers):
-            task.cancel()
-        await asyncio.gather(*self._stragglers, return_exceptions=True)
-        await self._client.aclose()
+        self._evict(self.clock())

@@ -21,26 +21,15 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from proxy.knobs import knob
+from proxy.policy import SharedPolicy
 
 log = structlog.get_logger("brownout.shared")
-
-
-@dataclass(frozen=True, slots=True)
-class SharedPolicy:
-    redis: str = knob(
-        "", "Redis URL shared by the replicas (`redis://host:port/db`); empty = no sharing."
-    )
-    key_prefix: str = knob("brownout:fleet:", "Prefix of the shared keys.")
-    interval_s: float = knob(0.5, "How often each replica reads the shared state.")
-    timeout_s: float = knob(0.5, "Redis operations slower than this count as Redis down.")
 
 
 class SharedState:

@@ -1,19 +1,26 @@
 """The running proxy across policy reloads.
 
 A reload (SIGHUP, `POST /brownout/reload`, or a change of the file when
-`server.watch_policy` is on) reads and validates the whole new policy off
-the event loop, builds a new `Runtime` and swaps it in at once. Requests in
-flight keep the `Runtime` they started with and finish under the old policy.
-A policy that fails validation changes nothing: the errors (`FILE:LINE:
-message`) are logged, counted in `brownout_policy_reload_failures_total` and
-shown in `/brownout/status`.
+`server.watch_policy` is on) is a transaction: it reads and validates the
+whole new policy off the event loop, builds a new `Runtime` with everything
+it needs (backends, tokenizers, session store, shared state), and only then
+swaps it in, in one step that does no I/O. Requests in flight keep the
+`Runtime` they started with and finish under the old policy. A policy that
+fails validation, or whose parts cannot be built (a tokenizer path that does
+not load), changes nothing: what was built is closed, the errors are logged,
+counted in `brownout_policy_reload_failures_total` and shown in
+`/brownout/status` and the reload's answer (an OpenAI-style error object).
 
 What carries over, so a reload never resets what the proxy has learnt:
 backends whose settings did not change keep their connection pool, health
 and breaker; the ladder keeps its tier, forced tier, history and ramp; the
-admission limiter keeps its in-flight count and queue; the session store and
-the shared-state client are kept when their settings are the same. What a
-replaced generation alone used is closed once its last request has finished.
+admission limiter keeps its in-flight count and queue; the session store
+(and its memory:// sessions) is kept unless its identity changes
+(`store_identity`: URL and pool settings; ttl and sizes are retuned in
+place); turns waiting for the store are one queue across generations; the
+shared-state client is kept when its settings are the same; the background
+loops are reconciled with the new policy. What a replaced generation alone
+used is closed once its last request has finished.
 """
 
 from __future__ import annotations
@@ -21,18 +28,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from proxy.config import Policy, PolicyError, load_policy
 from proxy.metrics import TIER_VALUES, Metrics
+from proxy.policy import Policy, PolicyError, load_policy, policy_diff, split_restart
+from proxy.policy.diff import RESTART_MARK
 from proxy.runtime import Runtime
-from proxy.sessions import make_store
+from proxy.sessions import SessionStore, make_store, store_identity
 from proxy.shared import SharedState
+from proxy.supervise import Body, Supervisor
 from proxy.trim import HFTokenCounter
 from proxy.upstream import Upstream, open_upstream
 
@@ -43,53 +52,67 @@ log = structlog.get_logger("brownout.policy")
 _DRAIN_LIMIT_S = 900.0
 
 
-def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """`a.b.c: value` pairs of a policy, for diffs."""
-    out: dict[str, Any] = {}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            if f.metadata.get("internal"):
-                continue
-            out.update(flatten(getattr(obj, f.name), f"{prefix}{f.name}."))
-        return out
-    out[prefix[:-1]] = obj
-    return out
+@dataclass
+class _Built:
+    """What one provisioning attempt opened, so a failed attempt closes it all."""
+
+    upstreams: list[Upstream] = dataclasses.field(default_factory=list)
+    store: SessionStore | None = None
+    shared: SharedState | None = None
+
+    async def close(self) -> None:
+        for up in self.upstreams:
+            with contextlib.suppress(Exception):
+                await up.close()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.store.close()
+        if self.shared is not None:
+            with contextlib.suppress(Exception):
+                await self.shared.close()
 
 
-def policy_diff(old: Policy, new: Policy) -> list[str]:
-    """What a reload from `old` to `new` would change, one line per knob."""
-    a, b = flatten(old), flatten(new)
-    lines = []
-    for key in sorted(a.keys() | b.keys()):
-        if key not in a:
-            lines.append(f"+ {key}: {b[key]!r}")
-        elif key not in b:
-            lines.append(f"- {key}: {a[key]!r}")
-        elif a[key] != b[key]:
-            shown_a, shown_b = a[key], b[key]
-            if "token" in key or "api_key" in key:
-                shown_a = shown_b = "<redacted>"
-            lines.append(f"~ {key}: {shown_a!r} -> {shown_b!r}")
-    return lines
+LoopSpec = Callable[["ProxyState"], Mapping[str, Body]]
 
 
 class ProxyState:
     def __init__(self, policy: Policy, metrics: Metrics, clock: Callable[[], float]) -> None:
         self.metrics = metrics
         self.clock = clock
-        self.current = Runtime(policy=policy, metrics=metrics, clock=clock)
+        self.supervisor = Supervisor(metrics.loop_errors)
+        self.current = Runtime(
+            policy=policy, metrics=metrics, clock=clock, supervisor=self.supervisor
+        )
         self.live: list[Runtime] = [self.current]
         self.loaded_at = time.time()
         self.last_reload: dict[str, Any] | None = None
         self._lock = asyncio.Lock()
         self._drains: set[asyncio.Task[None]] = set()
+        self._loops: LoopSpec | None = None
         metrics.inflight.set_function(lambda: sum(r.inflight for r in self.live))
         metrics.tier.set_function(lambda: TIER_VALUES[self.current.tier])
 
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        await self._provision(self.current, None)
+        built = _Built()
+        try:
+            await self._provision(self.current, None, built)
+        except BaseException:
+            await built.close()
+            raise
+        self.current.bind_gauges()
+
+    def run_loops(self, spec: LoopSpec) -> None:
+        """Supervise the background loops `spec` names for the current
+        policy, now and again after every reload."""
+        self._loops = spec
+        self.supervisor.reconcile(spec(self))
+
+    async def stop_loops(self) -> None:
+        self._loops = None
+        self.supervisor.reconcile({})
+        await asyncio.sleep(0)  # let the cancelled loops unwind
 
     async def close(self) -> None:
         for t in list(self._drains):
@@ -97,6 +120,7 @@ class ProxyState:
         for t in list(self._drains):
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self.supervisor.close()
         for rt in self.live:
             await self._close_unused(rt, keep=[])
         self.live = []
@@ -105,9 +129,11 @@ class ProxyState:
         # Upstreams outlive generations: breaker news goes to the current one.
         self.current.on_breaker_change(name, old, new, reason)
 
-    async def _provision(self, rt: Runtime, prev: Runtime | None) -> None:
+    async def _provision(self, rt: Runtime, prev: Runtime | None, built: _Built) -> None:
         """Give `rt` its backends, store, tokenizers and shared state, reusing
-        `prev`'s where the settings are the same."""
+        `prev`'s where the settings are the same. What is opened anew is
+        recorded in `built`. Changes nothing that `prev` uses: the swap is
+        `_commit`'s."""
         pol = rt.policy
         for name, bp in (("primary", pol.backends.primary), ("fallback", pol.backends.fallback)):
             if bp is None:
@@ -121,6 +147,7 @@ class ProxyState:
             ):
                 up = old
             else:
+                same_server = old is not None and old.policy.url == bp.url
                 up = open_upstream(
                     name,
                     bp,
@@ -128,32 +155,60 @@ class ProxyState:
                     self.clock,
                     self._on_breaker_change,
                     pol.ladder.failover.probe_failures,
+                    start=self.supervisor.start,
+                    # What the breaker learnt about this server stays true.
+                    breaker=old.breaker
+                    if old is not None and same_server and old.breaker.policy == pol.ladder.breaker
+                    else None,
                 )
-                if old is not None and old.policy.url == bp.url:
+                built.upstreams.append(up)
+                if old is not None and same_server:
                     # Discovered facts stay true for the same server.
                     up.served_model = old.served_model
                     up.max_model_len = bp.max_model_len or old.max_model_len
+                    up.health = dataclasses.replace(old.health)
             rt.add_upstream(up)
-            if prev is not None and up is old and name in prev.counters:
+            if (
+                prev is not None
+                and old is not None
+                and old.policy.tokenizer == bp.tokenizer
+                and name in prev.counters
+                and (up is old or bp.tokenizer)
+            ):
+                # The same tokenizer files: loading them again takes seconds.
                 rt.counters[name] = prev.counters[name]
             elif bp.tokenizer:
                 rt.counters[name] = await HFTokenCounter.load(bp.tokenizer)
-        if prev is not None and prev.policy.sessions == pol.sessions:
-            rt.store = prev.store
+        if prev is not None and store_identity(prev.policy.sessions) == store_identity(
+            pol.sessions
+        ):
+            rt.store = prev.store  # and its sessions; knobs are retuned at the swap
         else:
-            rt.store = make_store(pol.sessions)
+            rt.store = built.store = make_store(pol.sessions)
         shared = pol.ladder.shared
         if prev is not None and prev.shared is not None and prev.policy.ladder.shared == shared:
             rt.shared = prev.shared
         elif shared.redis:
-            rt.shared = SharedState(shared)
-        if prev is not None:
-            rt.adopt(prev)
+            rt.shared = built.shared = SharedState(shared)
+
+    def _commit(self, new: Runtime, old: Runtime) -> None:
+        """The swap: nothing here awaits or does I/O, so it cannot half happen."""
+        if new.store is old.store:
+            new.store.retune(new.policy.sessions)
+        new.adopt(old)
+        self.current = new
+        self.live.append(new)
+        new.bind_gauges()
+        self.loaded_at = time.time()
+        if self._loops is not None:
+            self.supervisor.reconcile(self._loops(self))
 
     # -- reload --------------------------------------------------------------------
 
     async def reload(self, reason: str) -> dict[str, Any]:
-        """Load the policy file again; swap it in if valid. Never raises."""
+        """Load the policy file again; swap it in if it is valid and everything
+        it needs could be built. Never raises: a failure keeps the running
+        policy, and is logged, counted and shown in status."""
         async with self._lock:
             old = self.current
             path = old.policy.source
@@ -161,34 +216,66 @@ class ProxyState:
             try:
                 policy = await asyncio.to_thread(load_policy, path)
             except PolicyError as exc:
-                self.metrics.reload_failures.inc()
-                for line in exc.lines():
-                    log.error("policy_reload_rejected", reason=reason, error=line)
-                self.last_reload = {
-                    "ok": False,
-                    "at": round(started, 3),
-                    "trigger": reason,
-                    "errors": exc.lines(),
-                }
-                return self.last_reload
-            changes = policy_diff(old.policy, policy)
-            new = Runtime(policy=policy, metrics=self.metrics, clock=self.clock)
-            await self._provision(new, old)
-            self.current = new
-            self.live.append(new)
-            self.loaded_at = time.time()
+                return self._rejected(reason, started, exc.lines(), "invalid_policy")
+            except Exception as exc:
+                log.error("policy_reload_failed", reason=reason, exc_info=True)
+                why = f"{path}: cannot read the policy: {type(exc).__name__}: {exc}"
+                return self._rejected(reason, started, [why], "invalid_policy")
+            # Knobs a running process cannot change keep their running value;
+            # the reload says which ones wait for a restart.
+            restart = [
+                line for line in policy_diff(old.policy, policy) if line.endswith(RESTART_MARK)
+            ]
+            policy, _waiting = split_restart(old.policy, policy)
+            built = _Built()
+            try:
+                changes = policy_diff(old.policy, policy)
+                new = Runtime(
+                    policy=policy,
+                    metrics=self.metrics,
+                    clock=self.clock,
+                    supervisor=self.supervisor,
+                )
+                await self._provision(new, old, built)
+            except Exception as exc:
+                log.error("policy_reload_failed", reason=reason, exc_info=True)
+                await built.close()
+                why = f"{path}: cannot apply the policy: {type(exc).__name__}: {exc}"
+                return self._rejected(reason, started, [why], "policy_not_applied")
+            self._commit(new, old)
             self.metrics.reloads.inc()
-            log.warning("policy_reloaded", reason=reason, changes=changes)
+            log.warning("policy_reloaded", reason=reason, changes=changes, needs_restart=restart)
             self.last_reload = {
                 "ok": True,
                 "at": round(started, 3),
                 "trigger": reason,
                 "changes": changes,
+                "needs_restart": restart,
             }
-            task = asyncio.create_task(self._drain(old))
+            task = self.supervisor.spawn("drain", self._drain(old))
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
             return self.last_reload
+
+    def _rejected(
+        self, reason: str, started: float, errors: list[str], code: str
+    ) -> dict[str, Any]:
+        self.metrics.reload_failures.inc()
+        for line in errors:
+            log.error("policy_reload_rejected", reason=reason, error=line)
+        self.last_reload = {
+            "ok": False,
+            "at": round(started, 3),
+            "trigger": reason,
+            "errors": errors,
+            "error": {
+                "message": "policy reload rejected, the running policy stays: " + "; ".join(errors),
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            },
+        }
+        return self.last_reload
 
     async def _drain(self, old: Runtime) -> None:
         deadline = time.monotonic() + _DRAIN_LIMIT_S
@@ -218,24 +305,11 @@ class ProxyState:
             "last_reload": self.last_reload,
             "generations_live": len(self.live),
         }
+        body["loops"] = {
+            "running": self.supervisor.running(),
+            "errors": self.supervisor.errors(),
+        }
         return body
-
-
-async def watch_policy(state: ProxyState, interval_s: float) -> None:
-    """Reload when the policy file changes (stat off the event loop)."""
-    last: tuple[float, int] | None = None
-    while True:
-        path = state.current.policy.source
-        try:
-            st = await asyncio.to_thread(os.stat, path)
-            sig = (st.st_mtime, st.st_size)
-        except OSError:
-            sig = None
-        if last is not None and sig is not None and sig != last:
-            await state.reload("file_changed")
-        if sig is not None:
-            last = sig
-        await asyncio.sleep(interval_s)
 
 
 def upstream_of(state: ProxyState, name: str) -> Upstream | None:

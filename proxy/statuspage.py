@@ -279,6 +279,8 @@ def status_event(state: ProxyState, sp: StatusPage, cursor: int | None) -> tuple
     body = state.status()
     body["version"] = __version__
     body["now"] = round(time.time(), 3)
+    # The page shows its operator panel only when the admin endpoints answer.
+    body["admin"] = {"enabled": bool(state.current.policy.server.admin_token)}
     body["series"] = {
         "interval_s": sp.series.interval_s,
         "window_s": sp.series.window_s,
@@ -342,7 +344,8 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def _sampler(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(_sample_forever(app[STATE], app[STATUS_PAGE]), name="status-page")
+    state, sp = app[STATE], app[STATUS_PAGE]
+    task = state.supervisor.start("status_page", lambda: _sample_forever(state, sp))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

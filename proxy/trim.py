@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
-from proxy.knobs import knob
+from proxy.policy import TrimPolicy
 
 __all__ = [
     "ContextTooLong",
@@ -52,38 +52,6 @@ T = TypeVar("T")
 
 # Roles kept at the front of the prompt whatever the budget.
 _HEAD_ROLES = frozenset({"system", "developer"})
-
-
-@dataclass(frozen=True, slots=True)
-class TrimPolicy:
-    margin_tokens: int = knob(
-        64,
-        "Tokens kept free besides the answer's max_tokens, for differences between our "
-        "count and the backend's (budget = max_model_len - max_tokens - margin).",
-    )
-    default_max_tokens: int = knob(512, "Answer tokens reserved when a request sets no max_tokens.")
-    high_water: float = knob(
-        0.9,
-        "Nothing is dropped while the prompt fits in high_water × budget; above it, the "
-        "oldest turns go in one block (keeps vLLM's prefix cache warm between requests).",
-    )
-    low_water: float = knob(
-        0.7, "A block drop removes the oldest turns until the prompt fits in low_water × budget."
-    )
-    trim_stateless: bool = knob(
-        True,
-        "Also trim requests without a session (the client sent its whole conversation); "
-        "false = only session-merged prompts are trimmed, longer ones fail at the backend.",
-    )
-
-    def __post_init__(self) -> None:
-        # Raised errors are reported by the config loader at the section's line.
-        if not 0.0 < self.low_water < self.high_water <= 1.0:
-            raise ValueError("need 0 < low_water < high_water <= 1")
-        if self.margin_tokens < 0:
-            raise ValueError("margin_tokens must be >= 0")
-        if self.default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be >= 1")
 
 
 # --------------------------------------------------------------------------- errors

@@ -10,15 +10,15 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 import structlog
 from yarl import URL
 
-from proxy.breaker import BackendBreaker, BreakerPolicy
-from proxy.config import BackendPolicy
+from proxy.breaker import BackendBreaker
+from proxy.policy import BackendPolicy, BreakerPolicy
 
 log = structlog.get_logger("brownout.upstream")
 
@@ -241,10 +241,19 @@ def open_upstream(
     clock: Callable[[], float],
     on_breaker_change: Callable[[str, str, str, str], None],
     probe_failures: int,
+    start: Callable[[str, Callable[[], Awaitable[None]]], asyncio.Task[None]] | None = None,
+    breaker: BackendBreaker | None = None,
 ) -> Upstream:
-    """An upstream with its session and its probe task running (call `close`)."""
+    """An upstream with its session and its probe task running (call `close`).
+    `start` runs the probe loop (the app's `Supervisor.start`: an exception
+    in a probe is logged and counted, and probing goes on). `breaker`: one
+    to keep (a reload that changed other settings of the same server)."""
     session = make_session(policy)
-    breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
+    if breaker is None:
+        breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
     upstream = Upstream(name, policy, session, breaker, probe_failures)
-    upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
+    if start is None:
+        upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
+    else:
+        upstream.probe_task = start(f"health_probe_{name}", upstream.probe_forever)
     return upstream

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from proxy.config import Policy, load_policy
+from proxy.policy import Policy, load_policy
 from tests.deploy.helpers import (
     DOCKER,
     INSTALL_HINT,

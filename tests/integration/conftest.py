@@ -16,7 +16,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.app import create_app
-from proxy.config import Policy, parse_policy
+from proxy.policy import Policy, parse_policy
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -31,8 +31,8 @@ import structlog.testing
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import Policy
-from proxy.guard import Guard, GuardPolicy, Trip
+from proxy.guard import Guard, Trip
+from proxy.policy import GuardPolicy, Policy
 from proxy.sse import DONE_EVENT, SSEParser
 from tests.harness.vllm import VLLMServer
 from tests.integration.conftest import (

@@ -26,7 +26,7 @@ from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import Policy, parse_policy
+from proxy.policy import Policy, parse_policy
 from proxy.sse import SSEParser
 from tests.integration.conftest import (
     CHAT_BODY,
@@ -213,9 +213,9 @@ def ladder_policy(primary: str, fallback: str | None, *extras: str) -> Policy:
         }
 
     doc: dict[str, Any] = {
-        # Longer than any first-byte deadline below: a ping would commit the
-        # response before a retry could happen.
-        "server": {"heartbeat_s": 5},
+        # No heartbeats: a ping would commit the response before a retry
+        # could happen.
+        "server": {"heartbeat_s": 0},
         "backends": {"primary": backend(primary, "vllm")},
         "ladder": {
             "recovery": {

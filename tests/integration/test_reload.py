@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.config import load_policy
+from proxy.policy import load_policy
 from tests.integration.conftest import (
     CHAT_BODY,
     FakeUpstream,

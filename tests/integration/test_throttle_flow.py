@@ -178,6 +178,8 @@ async def test_x_priority_cannot_raise_a_client_without_an_entry(
 ladder:
   throttle:
     max_inflight: 1
+    min_limit: 1
+    throttled_limit: 1
     queue_size: 1
     queue_timeout_s: 30
     key_priorities: ["sk-gateway=normal..critical"]

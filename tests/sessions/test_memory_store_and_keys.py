@@ -6,16 +6,8 @@ import asyncio
 
 import pytest
 
-from proxy.config import PolicyError, parse_policy
-from proxy.sessions import (
-    MemorySessionStore,
-    SessionIdError,
-    SessionsPolicy,
-    Turn,
-    make_store,
-    session_key,
-)
-from proxy.trim import TrimPolicy
+from proxy.policy import PolicyError, SessionsPolicy, TrimPolicy, parse_policy
+from proxy.sessions import MemorySessionStore, SessionIdError, Turn, make_store, session_key
 
 
 class Clock:
@@ -178,8 +170,11 @@ def test_policy_defaults_and_yaml() -> None:
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ("  trimming:\n    high_water: 0.5\n    low_water: 0.8\n", "low_water < high_water"),
-        ("  trimming:\n    high_water: 1.5\n", "high_water <= 1"),
+        (
+            "  trimming:\n    high_water: 0.5\n    low_water: 0.8\n",
+            "low_water: must be < high_water",
+        ),
+        ("  trimming:\n    high_water: 1.5\n", "high_water: must be <= 1"),
         ("  trimming:\n    margin_tokens: -1\n", "margin_tokens"),
         ("  redis_timeout_s: 0\n", "redis_timeout_s"),
         ("  max_sessions: 0\n", "max_sessions"),

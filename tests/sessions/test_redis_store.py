@@ -9,10 +9,11 @@ from collections.abc import Awaitable
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.policy import SessionsPolicy
+from proxy.redis_sessions import RedisSessionStore
 from proxy.sessions import (
-    RedisSessionStore,
-    SessionsPolicy,
     SessionStoreUnavailable,
+    SessionTurnRejected,
     Turn,
     make_store,
     session_key,
@@ -354,4 +355,39 @@ async def test_scripts_flushed_from_redis_are_loaded_again(private_redis: Privat
         assert store.healthy
     finally:
         await admin.aclose()
+        await store.close()
+
+
+async def test_lone_surrogates_round_trip_losslessly(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    store = _store()
+    key = session_key(key_prefix, "surrogates", None)
+    odd = Turn("lone \ud800 high, lone \udfff low", "reversed pair \udc00\ud83d, é 🚀")
+    try:
+        assert await store.append(key, [odd, Turn("plain", "text")]) == 2
+        assert await store.load(key) == [*odd.messages(), *Turn("plain", "text").messages()]
+        # Valid text is plain UTF-8 in Redis; only the lone surrogates are WTF-8.
+        raw_client = aioredis.Redis.from_url(SHARED_REDIS_URL)
+        raw = await raw_client.hget(key, "history")
+        await raw_client.aclose()
+        assert "é 🚀".encode() in raw
+        assert "\ud800".encode("utf-8", "surrogatepass") in raw
+    finally:
+        await store.close()
+
+
+async def test_a_turn_the_script_refuses_is_rejected_not_an_outage(
+    shared_redis: aioredis.Redis, key_prefix: str
+) -> None:
+    store = _store()
+    key = session_key(key_prefix, "taken", None)
+    await shared_redis.set(key, "not a session hash")  # the script's HGET fails on it
+    try:
+        with pytest.raises(SessionTurnRejected):
+            await store.append(key, [Turn("q", "a")])
+        assert store.healthy  # the store answered: other turns still save
+        other = session_key(key_prefix, "free", None)
+        assert await store.append(other, [Turn("q", "a")]) == 1
+    finally:
         await store.close()

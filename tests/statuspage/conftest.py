@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.config import Policy, parse_policy
+from proxy.policy import Policy, parse_policy
 from proxy.statuspage import STATUS_PAGE, setup_status_page
 from tests.integration.conftest import chunk, free_port
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.keys import STATE
 from tests.statuspage.cdp import Page, chromium, find_chromium
 from tests.statuspage.conftest import (
     ADMIN_TOKEN,
@@ -37,6 +39,32 @@ DOCS_SHOT = ROOT / "docs" / "status-page.png"
 
 TIER = "document.getElementById('tier').textContent"
 CONN = "document.getElementById('conn').textContent"
+
+# Elements the page shows or hides depending on the state. Their `hidden`
+# property says nothing about what is rendered (a CSS `display` rule beats the
+# attribute), so the tests ask the layout: is the element drawn at all?
+CONDITIONAL = ("#tier-forced", "#ramp", "#admin", "#stale-banner")
+RENDERED = """(sel => {
+  const e = document.querySelector(sel);
+  if (!e) return null;
+  const cs = getComputedStyle(e);
+  return cs.display !== "none" && cs.visibility !== "hidden"
+    && e.getClientRects().length > 0 && e.checkVisibility({visibilityProperty: true});
+})"""
+
+
+async def rendered(page: Page) -> dict[str, bool]:
+    """Which conditional elements are drawn now (computed style and layout)."""
+    shown: dict[str, bool] = {}
+    for sel in CONDITIONAL:
+        value = await page.evaluate(f"{RENDERED}({json.dumps(sel)})")
+        assert value is not None, f"{sel} is missing from the page"
+        shown[sel] = bool(value)
+    return shown
+
+
+async def wait_rendered(page: Page, sel: str, shown: bool, what: str, within: float = 5.0) -> None:
+    await page.wait_for(f"{RENDERED}({json.dumps(sel)})", lambda v: v is shown, what, within)
 
 
 @contextlib.asynccontextmanager
@@ -94,6 +122,13 @@ async def test_status_page_follows_tier_changes_live(
         )
         assert "fallback" in await page.text("#backends")
         assert await page.text("#limit") == "16"
+        # Nothing forced, no ramp, connected, admin enabled: only the operator panel.
+        assert await rendered(page) == {
+            "#tier-forced": False,
+            "#ramp": False,
+            "#admin": True,
+            "#stale-banner": False,
+        }
 
         stop = asyncio.Event()
         load = asyncio.create_task(_traffic(proxy, stop))
@@ -117,7 +152,13 @@ async def test_status_page_follows_tier_changes_live(
             assert waited < 2.0, f"the page took {waited:.2f}s to show the new tier"
             assert time.monotonic() - t0 < 3.0
             assert await page.evaluate("window.__sameDocument") == 1, "the page was reloaded"
-            assert await page.evaluate("document.getElementById('tier-forced').hidden") is False
+            assert await rendered(page) == {
+                "#tier-forced": True,
+                "#ramp": False,
+                "#admin": True,
+                "#stale-banner": False,
+            }
+            assert await page.text("#tier-forced") == "forced: maintenance"
             assert await page.evaluate(
                 "document.getElementById('tier-card').classList.contains('t-maintenance')"
             )
@@ -135,8 +176,17 @@ async def test_status_page_follows_tier_changes_live(
             await page.type_into("#admin-token", ADMIN_TOKEN)
             await page.click("#release-btn")
             await page.wait_text("#admin-result", lambda t: t.startswith("Released"), "release ok")
+            await wait_rendered(page, "#tier-forced", False, "the forced pill to go", within=2.0)
+            # Back to the primary through the ramp (0.5 s a step): shown while it runs.
+            await wait_rendered(page, "#ramp", True, "the recovery ramp", within=10.0)
             await page.wait_text("#tier", lambda t: t == "normal", "normal again", within=10.0)
-            assert await page.evaluate("document.getElementById('tier-forced').hidden") is True
+            await wait_rendered(page, "#ramp", False, "the ramp to end", within=5.0)
+            assert await rendered(page) == {
+                "#tier-forced": False,
+                "#ramp": False,
+                "#admin": True,
+                "#stale-banner": False,
+            }
 
             # 4. Forced from the page's own form.
             await page.evaluate(
@@ -196,11 +246,42 @@ async def test_status_page_shows_disconnected_and_reconnects(
         await proxy.stop()
         await page.wait_text("#conn", lambda t: t.startswith("disconnected"), "disconnected")
         assert await page.evaluate("document.body.classList.contains('stale')")
-        assert await page.evaluate("document.getElementById('stale-banner').hidden") is False
+        assert (await rendered(page))["#stale-banner"] is True
         assert await page.text("#tier") == "throttle", "the last known state stays, marked stale"
 
         await proxy.start()  # same port, fresh state
         await page.wait_text("#conn", lambda t: t == "live", "reconnected", within=10.0)
         await page.wait_text("#tier", lambda t: t == "normal", "the new process's tier")
         assert not await page.evaluate("document.body.classList.contains('stale')")
+        assert (await rendered(page))["#stale-banner"] is False
+        assert page.problems == [], page.problems
+
+
+async def test_status_page_without_admin_has_no_operator_panel(
+    tmp_path: Path, llm: FakeLLM, status_proxies: list[StatusProxy]
+) -> None:
+    """Without server.admin_token the admin endpoints answer 403: no form to
+    fill in. A tier forced another way (here: in-process) still shows."""
+    async with browser_page(tmp_path) as page:
+        proxy = await start_status_proxy(
+            status_proxies, status_policy(llm.url, admin=False), interval_s=0.5
+        )
+        await page.navigate(proxy.url + "/brownout/")
+        await page.wait_text("#conn", lambda t: t == "live", "the stream to connect")
+        await page.wait_text("#tier", lambda t: t == "normal", "normal")
+        assert await rendered(page) == {
+            "#tier-forced": False,
+            "#ramp": False,
+            "#admin": False,
+            "#stale-banner": False,
+        }
+        assert proxy.app is not None
+        proxy.app[STATE].current.force_tier("maintenance")
+        await page.wait_text("#tier", lambda t: t == "maintenance", "maintenance")
+        assert await rendered(page) == {
+            "#tier-forced": True,
+            "#ramp": False,
+            "#admin": False,
+            "#stale-banner": False,
+        }
         assert page.problems == [], page.problems

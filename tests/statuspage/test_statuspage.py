@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from proxy import statuspage
-from proxy.config import parse_policy
 from proxy.metrics import Metrics
+from proxy.policy import parse_policy
 from proxy.state import ProxyState
 from proxy.statuspage import STATUS_PAGE, Series, csp_for, histogram_quantile, load_page
 from tests.statuspage.conftest import (
@@ -234,6 +234,19 @@ async def test_events_start_with_status_then_push_a_forced_tier_at_once(
         while ev["ladder"]["forced"] is not None:
             ev = await _next_status(events, within=2.0)
         assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("admin", [True, False])
+async def test_events_say_whether_the_admin_endpoints_answer(
+    llm: FakeLLM, status_proxies: list[StatusProxy], admin: bool
+) -> None:
+    # The page shows its operator panel only when this is true.
+    p = await start_status_proxy(status_proxies, status_policy(llm.url, admin=admin))
+    async with p.session.get(p.url + "/brownout/events") as resp:
+        first = await _next_status(read_events(resp))
+    assert first["admin"] == {"enabled": admin}
+    async with p.session.post(p.url + "/brownout/tier", json={"tier": None}, headers=ADMIN) as r:
+        assert r.status == (200 if admin else 403)
 
 
 async def test_events_carry_a_growing_series(

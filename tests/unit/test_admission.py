@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.admission import Admission, AdmissionPolicy, Priority, Rejected
+from proxy.admission import Admission, Rejected
+from proxy.policy import AdmissionPolicy, Priority
 
 
 class Clock:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.breaker import BackendBreaker, BreakerPolicy, Permit
+from proxy.breaker import BackendBreaker, Permit
+from proxy.policy import BreakerPolicy
 
 
 class Clock:

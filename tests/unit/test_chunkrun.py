@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.chunkrun import ChunkRuns
-from proxy.guard import Guard, GuardPolicy
+from proxy.guard import Guard
+from proxy.policy import GuardPolicy
 from proxy.relay import markers
 
 DONE = b"data: [DONE]\n\n"

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import RequestRejected
-from proxy.guard import Guard, GuardPolicy, Trip
+from proxy.guard import Guard, Trip
+from proxy.policy import GuardPolicy
 from proxy.sse import SSEFramer, SSEParser
 from proxy.validate import parse_body
 

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from typing import Any, Literal
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from proxy.config import PolicyError, parse_policy
-from proxy.guard import (
+from proxy.guard import Guard, StreamGuard, Trip, invalid_output_event
+from proxy.policy import (
     ControlCharsRule,
-    Guard,
     GuardPolicy,
     MalformedRule,
+    PolicyError,
     RepetitionRule,
     ReplacementCharsRule,
     SpecialTokensRule,
-    StreamGuard,
-    Trip,
-    invalid_output_event,
+    parse_policy,
 )
 from proxy.sse import SSEFramer, SSEParser
 
@@ -528,12 +527,17 @@ def test_check_body_notes_log_rules() -> None:
 
 
 def test_rule_thresholds_are_validated() -> None:
-    with pytest.raises(ValueError, match="min_repeats"):
-        RepetitionRule(min_repeats=1)
-    with pytest.raises(ValueError, match="max_in_window"):
-        ReplacementCharsRule(window_chars=8, max_in_window=8)
-    with pytest.raises(ValueError, match="empty"):
-        SpecialTokensRule(tokens=("",))
+    base = 'backends:\n  primary: {url: "http://127.0.0.1:8000"}\nguard:\n'
+    cases = {
+        "  repetition: {min_repeats: 1}\n": "guard.repetition.min_repeats: must be >= 2",
+        "  replacement_chars: {window_chars: 8, max_in_window: 8}\n": (
+            "guard.replacement_chars.max_in_window: must be < window_chars (8)"
+        ),
+        "  special_tokens: {tokens: ['']}\n": "guard.special_tokens.tokens: item 0 must be",
+    }
+    for section, message in cases.items():
+        with pytest.raises(PolicyError, match=re.escape(f"<string>:4: {message}")):
+            parse_policy(base + section, env={})
 
 
 def test_guard_section_from_yaml() -> None:
@@ -553,7 +557,9 @@ guard:
     assert g.repetition.min_chars == 1024
     assert g.malformed.action == "abort"
     bad = text.replace("min_chars: 1024", "min_repeats: 1")
-    with pytest.raises(PolicyError, match=r"<string>:8: guard.repetition: min_repeats"):
+    with pytest.raises(
+        PolicyError, match=r"<string>:8: guard.repetition.min_repeats: must be >= 2"
+    ):
         parse_policy(bad)
 
 

@@ -9,17 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.ladder import (
-    RANK,
-    TIERS,
-    TRANSITIONS,
-    Ladder,
-    RecoveryPolicy,
-    Signals,
-    Tier,
-    Transition,
-    desired_tier,
-)
+from proxy.ladder import RANK, TIERS, TRANSITIONS, Ladder, Signals, Tier, Transition, desired_tier
+from proxy.policy import RecoveryPolicy
 
 OK = Signals(primary_ok=True, fallback_ok=True)
 PRESSURE = Signals(primary_ok=True, fallback_ok=True, pressure=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from proxy.config import FaqEntry, FaqPolicy, MaintenancePolicy
 from proxy.maintenance import Maintenance, last_user_text, render_json, render_stream
+from proxy.policy import FaqEntry, FaqPolicy, MaintenancePolicy
 from proxy.rescue import continuation_body, partial_text
 from proxy.sse import SSEParser
 

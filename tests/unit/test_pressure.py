@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.pressure import PressureMonitor, ThrottlePolicy, next_limit, parse_vllm_metrics
+from proxy.policy import ThrottlePolicy
+from proxy.pressure import PressureMonitor, next_limit, parse_vllm_metrics
 
 METRICS = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.config import PolicyError, parse_policy
 from proxy.metrics import Metrics
-from proxy.priority import Grant, parse_key_priority
+from proxy.policy import Grant, PolicyError, parse_key_priority, parse_policy
 from proxy.runtime import Runtime
 
 

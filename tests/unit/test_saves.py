@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.saves import PendingSaves
-from proxy.sessions import SessionStoreUnavailable, Turn
+import pytest
+
+from proxy.saves import ATTEMPTS, PendingSaves
+from proxy.sessions import SessionStoreUnavailable, SessionTurnRejected, Turn
 
 
 class FlakyStore:
@@ -49,3 +51,67 @@ async def test_bounded_queue_drops_the_oldest_and_counts_it() -> None:
     store.up = True
     assert await q.flush(store) == 2  # type: ignore[arg-type]
     assert store.saved == [("s", "q1"), ("s", "q2")]
+
+
+class PickyStore(FlakyStore):
+    """Refuses (or fails on) the turns whose user text starts with "bad"."""
+
+    def __init__(self, fail_with: Exception) -> None:
+        super().__init__()
+        self.fail_with = fail_with
+        self.tries: list[str] = []
+
+    async def append(
+        self, key: str, new_turns: Sequence[Turn], max_turns: int | None = None,
+        ttl_s: int | None = None,
+    ) -> int:  # fmt: skip
+        self.tries.extend(t.user for t in new_turns)
+        if self.up and any(t.user.startswith("bad") for t in new_turns):
+            raise self.fail_with
+        return await super().append(key, new_turns, max_turns, ttl_s)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [SessionTurnRejected("user_script:1: invalid unicode escape"), TypeError("not UTF-8")],
+    ids=["refused", "unexpected"],
+)
+async def test_a_poison_turn_is_dropped_after_bounded_retries_and_counted(
+    failure: Exception,
+) -> None:
+    rejected: list[int] = []
+    store = PickyStore(failure)
+    store.up = False
+    q = PendingSaves(limit=100, on_rejected=lambda: rejected.append(1))
+    # Queued in an outage: the poison turn is at the head of the queue.
+    assert not await q.save(store, "s", Turn("bad turn", "a"))  # type: ignore[arg-type]
+    assert not await q.save(store, "s", Turn("q2", "a"))  # type: ignore[arg-type]
+    store.up = True
+    flushes = 0
+    while len(q) and flushes < 10:
+        await q.flush(store)  # type: ignore[arg-type]
+        flushes += 1
+    assert flushes == ATTEMPTS
+    # Tried twice in the outage (that costs no attempt), then `ATTEMPTS` times.
+    assert store.tries.count("bad turn") == 2 + ATTEMPTS
+    assert rejected == [1]
+    # What came after it is saved, in order, and later saves go straight in.
+    assert store.saved == [("s", "q2")]
+    assert await q.save(store, "t", Turn("q3", "a"))  # type: ignore[arg-type]
+    assert store.saved == [("s", "q2"), ("t", "q3")]
+
+
+async def test_saving_never_raises_and_a_failed_direct_save_is_bounded_too() -> None:
+    rejected: list[int] = []
+    store = PickyStore(RuntimeError("a defect in the store"))
+    q = PendingSaves(limit=100, on_rejected=lambda: rejected.append(1))
+    assert ATTEMPTS == 3
+    assert not await q.save(store, "s", Turn("bad direct", "a"))  # type: ignore[arg-type]
+    assert len(q) == 1
+    assert not await q.save(store, "s", Turn("next1", "a"))  # type: ignore[arg-type]
+    assert rejected == []
+    assert not await q.save(store, "s", Turn("next2", "a"))  # type: ignore[arg-type]
+    assert rejected == [1]
+    assert len(q) == 0
+    assert store.saved == [("s", "next1"), ("s", "next2")]
+    assert await q.save(store, "s", Turn("next3", "a"))  # type: ignore[arg-type]

@@ -11,7 +11,8 @@ names a ceiling the header may reach:
       - "sk-app=normal"               # normal; may ask for sheddable
       - "sk-gateway=normal..critical" # normal; the header may ask for up to critical
 
-Standard library only, so the policy can check entries without the runtime.
+Standard library only (part of the policy leaf): the checks and the runtime
+share the parser.
 """
 
 from __future__ import annotations
@@ -52,16 +53,16 @@ def parse_key_priority(entry: str) -> tuple[str, Grant]:
     """`KEY=PRIORITY` or `KEY=PRIORITY..MAX` → (key, grant); ValueError otherwise.
     Messages never quote the key (it is a secret)."""
     key, sep, value = entry.rpartition("=")
-    if not sep or not key:
-        raise ValueError(f"an entry is not {ENTRY_FORMAT}")
     base_word, dots, max_word = value.partition("..")
     try:
+        if not sep or not key:
+            raise ValueError(entry)
         base = _priority(base_word)
         ceiling = _priority(max_word) if dots else base
     except ValueError:
-        raise ValueError(f"'KEY={value}' is not {ENTRY_FORMAT}") from None
+        raise ValueError(f"is not {ENTRY_FORMAT}") from None
     if RANK[ceiling] > RANK[base]:
-        raise ValueError(f"'KEY={value}': the ceiling {ceiling!r} is below {base!r}")
+        raise ValueError(f"has a ceiling ({ceiling}) below its priority ({base})")
     return key, Grant(base, ceiling)
 
 

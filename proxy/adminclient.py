@@ -1,0 +1,81 @@
+"""`brownout reload`: ask a running proxy to re-read its policy over HTTP.
+
+A signal needs the process id, and `pidof brownout` finds nothing for a
+Python console script (the process is `python`), so the CLI calls the admin
+endpoint `POST /brownout/reload` instead, with the admin token. Standard
+library only: the command must start fast and needs no event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["EXIT_REJECTED", "EXIT_UNREACHABLE", "ReloadOutcome", "render", "request_reload"]
+
+#: The proxy answered and kept its running policy (the new one is invalid).
+EXIT_REJECTED = 1
+#: The proxy could not be reached, or refused the request (token, admin off).
+EXIT_UNREACHABLE = 3
+
+# Keys of the reload answer shown as a list of lines, in this order; any other
+# list in the answer (e.g. a future "needs_restart") is shown after them.
+_KNOWN = ("ok", "at", "trigger", "changes", "errors")
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadOutcome:
+    """What the proxy answered: the HTTP status and the decoded JSON body
+    (None when it could not be reached or did not answer JSON)."""
+
+    status: int | None
+    body: dict[str, Any] | None
+    problem: str | None = None
+
+
+def request_reload(url: str, token: str | None, timeout_s: float) -> ReloadOutcome:
+    """POST {url}/brownout/reload with the token; never raises for HTTP or network errors."""
+    req = urllib.request.Request(url.rstrip("/") + "/brownout/reload", data=b"", method="POST")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (OSError, ValueError) as exc:  # refused, timeout, DNS, bad URL
+        reason = getattr(exc, "reason", exc)
+        return ReloadOutcome(None, None, f"cannot reach {url}: {reason}")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return ReloadOutcome(status, None, f"{url} answered HTTP {status} without JSON")
+    return ReloadOutcome(status, body if isinstance(body, dict) else None)
+
+
+def render(outcome: ReloadOutcome) -> tuple[int, list[str], list[str]]:
+    """(exit code, stdout lines, stderr lines) for an outcome."""
+    body = outcome.body
+    if outcome.problem is not None or body is None:
+        return EXIT_UNREACHABLE, [], [f"brownout reload: {outcome.problem or 'no answer'}"]
+    if "error" in body and isinstance(body["error"], dict):
+        message = body["error"].get("message", "error")
+        return EXIT_UNREACHABLE, [], [f"brownout reload: HTTP {outcome.status}: {message}"]
+    if body.get("ok") is True:
+        changes = [str(c) for c in body.get("changes") or ()]
+        out = ["reloaded: " + (f"{len(changes)} change(s)" if changes else "no changes")]
+        out += [f"  {c}" for c in changes]
+        for key, value in body.items():
+            if key not in _KNOWN and isinstance(value, list) and value:
+                out.append(f"{key.replace('_', ' ')}:")
+                out += [f"  {v}" for v in value]
+        return 0, out, []
+    errors = [str(e) for e in body.get("errors") or ()]
+    return (
+        EXIT_REJECTED,
+        [],
+        ["brownout reload: rejected, the running policy is unchanged:", *errors],
+    )

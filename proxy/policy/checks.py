@@ -1,0 +1,119 @@
+"""Cross-field rules that one knob's type and range cannot express.
+
+Each rule names the knob to fix and points at its line (or at the nearest
+enclosing key written in the file). Rules that involve a knob already
+rejected by the converter are skipped, so one mistake is reported once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import TYPE_CHECKING
+
+import yaml
+
+from proxy.policy.priority import parse_key_priority
+from proxy.policy.schema import Policy
+
+if TYPE_CHECKING:
+    from proxy.policy.loader import Converter
+
+_URL_RE = re.compile(r"^https?://[^/\s]+")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def node_at(root: yaml.Node, path: str) -> yaml.Node:
+    """The value node of a dotted path, or the deepest enclosing one written."""
+    node = root
+    for key in path.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return node
+        for kn, vn in node.value:
+            if getattr(kn, "value", None) == key:
+                node = vn
+                break
+        else:
+            return node
+    return node
+
+
+def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
+    def bad(path: str, message: str, *involved: str) -> None:
+        if any(p in conv.invalid for p in (path, *involved)):
+            return
+        conv.issue(node_at(root, path), f"{path}: {message}")
+
+    heartbeat = policy.server.heartbeat_s
+    for name in ("primary", "fallback"):
+        b = getattr(policy.backends, name)
+        if b is None:
+            continue
+        pre = f"backends.{name}"
+        if not _URL_RE.match(b.url):
+            bad(f"{pre}.url", f"not an http(s) URL: {b.url!r}")
+        if not b.health.path.startswith("/"):
+            bad(f"{pre}.health.path", f"must start with '/', got {b.health.path!r}")
+        for t in ("idle_s", "first_byte_s"):
+            limit = getattr(b.timeouts, t)
+            if 0 < limit <= heartbeat:
+                bad(
+                    "server.heartbeat_s",
+                    f"must be shorter than {pre}.timeouts.{t} ({limit:g} s): the heartbeat "
+                    "would never be sent before the stream is cut",
+                    f"{pre}.timeouts.{t}",
+                )
+    store = policy.sessions.store
+    if not (store == "memory://" or store.startswith(_REDIS_SCHEMES)):
+        bad("sessions.store", f"expected memory:// or redis://host:port/db, got {store!r}")
+    shared = policy.ladder.shared.redis
+    if shared and not shared.startswith(_REDIS_SCHEMES):
+        bad("ladder.shared.redis", f"expected redis://host:port/db, got {shared!r}")
+    trim = policy.sessions.trimming
+    if trim.low_water >= trim.high_water:
+        bad(
+            "sessions.trimming.low_water",
+            f"must be < high_water ({trim.high_water:g})",
+            "sessions.trimming.high_water",
+        )
+
+    th = policy.ladder.throttle
+    for i, kp in enumerate(th.key_priorities):
+        try:
+            parse_key_priority(kp)
+        except ValueError as exc:  # the message never quotes the key
+            bad("ladder.throttle.key_priorities", f"item {i} {exc}")
+    for knob_name in ("min_limit", "throttled_limit"):
+        value = getattr(th, knob_name)
+        if value > th.max_inflight:
+            bad(
+                f"ladder.throttle.{knob_name}",
+                f"must be <= max_inflight ({th.max_inflight}), got {value}",
+                "ladder.throttle.max_inflight",
+            )
+    if th.baseline_window_s <= th.ttft_window_s:
+        bad(
+            "ladder.throttle.baseline_window_s",
+            f"must be longer than ttft_window_s ({th.ttft_window_s:g} s)",
+            "ladder.throttle.ttft_window_s",
+        )
+
+    ramp = policy.ladder.recovery.ramp
+    if not ramp:
+        bad("ladder.recovery.ramp", "must list at least one share (ending at 1)")
+    elif any(b <= a for a, b in itertools.pairwise(ramp)):
+        bad("ladder.recovery.ramp", f"shares must rise step by step, got {list(ramp)}")
+    elif ramp[-1] != 1.0:
+        bad("ladder.recovery.ramp", f"must end at 1 (all traffic), got {ramp[-1]:g}")
+
+    g = policy.guard
+    rc = g.replacement_chars
+    if rc.max_in_window >= rc.window_chars:
+        bad(
+            "guard.replacement_chars.max_in_window",
+            f"must be < window_chars ({rc.window_chars})",
+            "guard.replacement_chars.window_chars",
+        )
+    for i, tok in enumerate(g.special_tokens.tokens):
+        if not tok or len(tok) > 256:
+            bad("guard.special_tokens.tokens", f"item {i} must be 1–256 characters")

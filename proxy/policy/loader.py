@@ -1,0 +1,292 @@
+"""YAML in, frozen typed objects out, `FILE:LINE: dotted.path: message` errors.
+
+The YAML is composed into a node tree (which keeps line marks) and converted
+against the dataclass schema, so every error points at the line an SRE has to
+fix. Types and each knob's declared range are checked during conversion, at
+the value's own line; cross-field rules run after (`proxy.policy.checks`).
+All errors of a file are collected, not just the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+from proxy.policy.faq import FaqFile
+from proxy.policy.knobs import Bounds
+from proxy.policy.schema import Policy, public_fields
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyIssue:
+    file: str
+    line: int  # 1-based
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.message}"
+
+
+class PolicyError(Exception):
+    """A policy file that cannot be used; carries every issue found."""
+
+    def __init__(self, issues: list[PolicyIssue]) -> None:
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+    def lines(self) -> list[str]:
+        return [str(i) for i in self.issues]
+
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+T = TypeVar("T")
+
+
+class _Invalid:
+    def __repr__(self) -> str:
+        return "<invalid>"
+
+
+INVALID: Any = _Invalid()
+
+
+class Converter:
+    """Walks a YAML node tree against a dataclass schema, collecting issues."""
+
+    def __init__(self, file: str, env: Mapping[str, str]) -> None:
+        self.file = file
+        self.env = env
+        self.issues: list[PolicyIssue] = []
+        # Knobs whose value was rejected (cross-field rules skip them).
+        self.invalid: set[str] = set()
+
+    def issue(self, node: yaml.Node, message: str) -> None:
+        self.issues.append(PolicyIssue(self.file, node.start_mark.line + 1, message))
+
+    def interpolate(self, node: yaml.ScalarNode) -> str:
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in self.env:
+                return self.env[name]
+            if default is not None:
+                return default
+            self.issue(node, f"environment variable {name} is not set")
+            return ""
+
+        return _ENV_RE.sub(sub, node.value)
+
+    def scalar(self, node: yaml.Node, path: str) -> Any:
+        """A scalar's value with YAML 1.1 typing applied after ${ENV} expansion."""
+        if not isinstance(node, yaml.ScalarNode):
+            self.issue(node, f"{path}: expected a single value, got a {_kind(node)}")
+            return INVALID
+        before = len(self.issues)
+        text = self.interpolate(node) if "${" in node.value else node.value
+        if len(self.issues) != before:
+            return INVALID
+        if node.style in ("'", '"'):
+            return text
+        if text == "":
+            # An empty ${VAR} means "empty text", not null.
+            return "" if "${" in node.value else None
+        # Resolve the plain scalar's type as YAML would (int, float, bool, null);
+        # an expanded value that parses as a structure stays text.
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        return value if not isinstance(value, dict | list) else text
+
+    def convert(self, node: yaml.Node, tp: Any, path: str, bounds: Bounds | None = None) -> Any:
+        origin = get_origin(tp)
+        if origin is typing.Union or origin is types.UnionType:
+            args = [a for a in get_args(tp) if a is not type(None)]
+            if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null"):
+                return None
+            if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+                return None
+            return self.convert(node, args[0], path, bounds)
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            return self.dataclass(node, tp, path)
+        if origin is tuple:
+            (item_tp, _ellipsis) = get_args(tp)
+            if isinstance(node, yaml.ScalarNode) and self.scalar(node, path) is None:
+                return ()
+            if not isinstance(node, yaml.SequenceNode):
+                self.issue(node, f"{path}: expected a list, got a {_kind(node)}")
+                return INVALID
+            items = tuple(
+                self.convert(n, item_tp, f"{path}[{i}]", bounds) for i, n in enumerate(node.value)
+            )
+            return INVALID if any(v is INVALID for v in items) else items
+        if origin is Literal:
+            value = self.scalar(node, path)
+            allowed = get_args(tp)
+            if value is INVALID:
+                return value
+            if value not in allowed:
+                choices = " | ".join(str(a) for a in allowed)
+                self.issue(node, f"{path}: {value!r} is not one of {choices}")
+                return INVALID
+            return value
+        value = self.scalar(node, path)
+        if value is INVALID:
+            return value
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
+            # Numbers where text is expected (tokens, names) are kept as written.
+            return str(value)
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            self.issue(node, f"{path}: expected {_type_name(tp)}, got {value!r}")
+            return INVALID
+        if tp is float and value != value:  # NaN passes every comparison
+            self.issue(node, f"{path}: expected a number, got {value!r}")
+            return INVALID
+        if bounds is not None and tp in (int, float):
+            why = bounds.violation(value)
+            if why is not None:
+                self.issue(node, f"{path}: {why}, got {value!r}")
+                return INVALID
+        return value
+
+    def dataclass(self, node: yaml.Node, cls: type[T], path: str) -> T:
+        if not isinstance(node, yaml.MappingNode):
+            self.issue(node, f"{path or 'policy'}: expected a mapping, got a {_kind(node)}")
+            return typing.cast(T, INVALID)
+        hints = get_type_hints(cls)
+        fields = {f.name: f for f in public_fields(cls)}
+        values: dict[str, Any] = {}
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            where = f"{path}.{key}" if path else str(key)
+            if key is None or key not in fields:
+                known = ", ".join(sorted(fields))
+                self.issue(key_node, f"{where}: unknown key (known here: {known})")
+                continue
+            if key in seen:
+                self.issue(key_node, f"{where}: duplicate key")
+                continue
+            seen.add(key)
+            values[key] = self.convert(
+                value_node, hints[key], where, fields[key].metadata.get("bounds")
+            )
+        missing = False
+        for name, f in fields.items():
+            if (
+                name not in values
+                and f.default is dataclasses.MISSING
+                and (f.default_factory is dataclasses.MISSING)
+            ):
+                where = f"{path}.{name}" if path else name
+                self.issue(node, f"{where}: missing required key")
+                missing = True
+        for name, v in list(values.items()):
+            if v is not INVALID:
+                continue
+            # Keep going with the default so the cross-field rules still run and
+            # every problem of the file is reported at once.
+            self.invalid.add(f"{path}.{name}" if path else name)
+            f = fields[name]
+            if f.default is not dataclasses.MISSING:
+                values[name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                values[name] = f.default_factory()
+            else:
+                return typing.cast(T, INVALID)
+        if missing:
+            return typing.cast(T, INVALID)
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            self.issue(node, f"{path or 'policy'}: {exc}")
+            return typing.cast(T, INVALID)
+
+
+def _kind(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "list"
+    return "value"
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _compose(text: str, file: str) -> yaml.Node | None:
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        raise PolicyError([PolicyIssue(file, line, f"YAML syntax: {exc.problem}")]) from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise PolicyError([PolicyIssue(file, 1, f"YAML: {type(exc).__name__}")]) from None
+
+
+def parse_policy(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> Policy:
+    """Parse and validate policy text; raise PolicyError listing every issue."""
+    from proxy.policy.checks import cross_checks
+
+    conv = Converter(file, os.environ if env is None else env)
+    root = _compose(text, file)
+    if root is None:
+        raise PolicyError([PolicyIssue(file, 1, "backends.primary: empty policy, but required")])
+    policy = conv.dataclass(root, Policy, "")
+    if policy is not INVALID:
+        cross_checks(policy, root, conv)
+    if conv.issues:
+        raise PolicyError(sorted(conv.issues, key=lambda i: i.line))
+    return dataclasses.replace(policy, source=file)
+
+
+def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Policy:
+    """Read a policy file and the files it names (blocking I/O: call at start-up
+    or from a thread)."""
+    p = Path(path)
+    policy = parse_policy(_read_text(p), str(p), env)
+    if policy.faq.file:
+        faq_path = p.parent / policy.faq.file
+        faq = _parse_faq(_read_text(faq_path), str(faq_path))
+        policy = dataclasses.replace(
+            policy,
+            faq=dataclasses.replace(policy.faq, entries=faq.entries + policy.faq.entries),
+        )
+    return policy
+
+
+def _read_text(p: Path) -> str:
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise PolicyError([PolicyIssue(str(p), 1, f"cannot read file: {exc.strerror}")]) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise PolicyError([PolicyIssue(str(p), line, "file is not valid UTF-8")]) from None
+
+
+def _parse_faq(text: str, file: str) -> FaqFile:
+    conv = Converter(file, {})
+    root = _compose(text, file)
+    if root is None:
+        return FaqFile()
+    faq = conv.dataclass(root, FaqFile, "")
+    if conv.issues:
+        raise PolicyError(sorted(conv.issues, key=lambda i: i.line))
+    return faq

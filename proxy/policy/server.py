@@ -1,0 +1,56 @@
+"""`server:` — the listening side of the proxy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from proxy.policy.knobs import knob
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPolicy:
+    host: str = knob("127.0.0.1", "Address to listen on (`--host` overrides).", restart=True)
+    port: int = knob(8080, "Port to listen on (`--port` overrides).", ge=1, le=65535, restart=True)
+    admin_token: str = knob(
+        "",
+        "Bearer token for the admin endpoints; empty = admin endpoints disabled.",
+        secret="value",
+    )
+    api_keys: tuple[str, ...] = knob(
+        (),
+        "Accepted client keys (`Authorization: Bearer ...`); empty = no client auth.",
+        secret="value",
+    )
+    max_body_bytes: int = knob(
+        4 * 1024 * 1024,
+        "Request bodies above this get 413.",
+        ge=1024,
+        le=1024**3,
+        unit="bytes",
+        restart=True,
+    )
+    body_timeout_s: float = knob(
+        30.0, "A request body not fully received within this gets 408 (slow clients).", gt=0
+    )
+    heartbeat_s: float = knob(
+        15.0,
+        "Send an SSE comment (`: ping`) when the backend has been silent this long, so "
+        "nginx's proxy_read_timeout and idle load balancers keep the stream; must be "
+        "shorter than every backend's `timeouts.idle_s` and `timeouts.first_byte_s` "
+        "(0 = no heartbeats).",
+        ge=0,
+        le=300,
+    )
+    log_prompts: bool = knob(False, "Prompts and completions reach the logs only when true.")
+    log_level: Literal["debug", "info", "warning", "error"] = knob(
+        "info", "Log level.", restart=True
+    )
+    shutdown_grace_s: float = knob(
+        10.0, "Seconds in-flight requests get to finish on shutdown.", ge=0, restart=True
+    )
+    watch_policy: bool = knob(
+        False,
+        "Reload the policy when its file changes (besides SIGHUP and the API).",
+    )
+    watch_interval_s: float = knob(2.0, "How often the policy file is checked when watched.", gt=0)
