@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.admission import Admission, Rejected
+from proxy.admission import MIN_SERVICE_S, Admission, Rejected
 from proxy.policy import AdmissionPolicy, Priority
 
 
@@ -266,3 +267,31 @@ def test_the_drain_rate_is_bounded() -> None:
     for _ in range(4):
         adm.release()  # instant completions: no busy time at all
     assert 0 < adm.drain_rate() <= 4 / 0.005
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(st.just("take"), st.just("release"), st.floats(min_value=0, max_value=30)),
+        max_size=80,
+    ),
+    limit=st.integers(min_value=1, max_value=8),
+)
+def test_drain_rate_bounds_and_idle_invariance(ops: list[object], limit: int) -> None:
+    """Any schedule: the rate is finite, within [0, slots ÷ 5 ms], and idle
+    time (nothing in flight) never changes it."""
+    adm, clock = make(max_inflight=limit)
+    for op in ops:
+        if op == "take":
+            adm._take()
+        elif op == "release":
+            if adm.inflight:
+                adm.release()
+        else:
+            before = adm.drain_rate()
+            clock.t += float(op)  # type: ignore[arg-type]
+            if adm.inflight == 0:
+                assert adm.drain_rate() == before
+        rate = adm.drain_rate()
+        assert math.isfinite(rate) and rate >= 0
+        assert rate <= max(adm.limit, adm.inflight) / MIN_SERVICE_S + 1e-9
