@@ -13,9 +13,17 @@ vLLM queues without bound and never says 429, so the proxy holds the line:
   does wait and reaches its deadline is rejected too. Evicted and timed-out
   waiters get the same 429.
 
-`Retry-After` = ⌈(queued + 1) ÷ drain rate⌉ seconds, clamped to 1–60, where
-the drain rate is an exponentially weighted moving average of completions per
-second (so clients come back when there is room, not all at once).
+`Retry-After` = ⌈(queued + 1) ÷ drain rate⌉ seconds, clamped to 1–60 (so
+clients come back when there is room, not all at once).
+
+The drain rate is measured on busy time only, by Little's law: slots ÷ mean
+service time, where the mean service time is the slot-seconds spent in
+flight ÷ completions, both averaged over the last `DRAIN_WINDOW_S` seconds
+of busy time. Idle time counts for nothing (a burst after a quiet minute
+sees the rate the pool had when it was last busy), completions in the same
+instant share the busy time they used (they cannot read as 1,000/s), and
+requests that run long without completing lower the estimate as they go.
+The mean service time is bounded below by `MIN_SERVICE_S`.
 """
 
 from __future__ import annotations
@@ -26,9 +34,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.policy import PRIORITIES, AdmissionPolicy, Priority
+from proxy.policy import PRIORITIES, RANK, AdmissionPolicy, Priority
 
-_RANK = {"critical": 0, "normal": 1, "sheddable": 2}
+__all__ = ["PRIORITIES", "Admission", "AdmissionPolicy", "Priority", "Rejected"]
+
+DRAIN_WINDOW_S = 10.0  # busy seconds the drain-rate estimate averages over
+MIN_SERVICE_S = 0.005  # the mean service time is never taken as shorter
 
 
 class Rejected(Exception):
@@ -66,12 +77,11 @@ class Admission:
             p: collections.deque() for p in PRIORITIES
         }
         self._queued = 0
-        # Drain rate: EWMA of completions/s, updated on release.
-        self._rate = 0.0
-        self._last_release = clock()
-        # When the pool last went from idle to busy: an idle gap is not a
-        # slow drain, so the decay below counts only busy time.
-        self._busy_since = self._last_release
+        # Drain rate (Little's law on busy time): slot-seconds in flight and
+        # completions, both decayed over DRAIN_WINDOW_S of busy time.
+        self._area = 0.0
+        self._done = 0.0
+        self._t = clock()
 
     # -- state -------------------------------------------------------------------
 
@@ -79,15 +89,28 @@ class Admission:
     def queued(self) -> int:
         return self._queued
 
+    def _decayed(self, now: float) -> tuple[float, float]:
+        """(slot-seconds, completions) as of `now`: busy time decays both and
+        adds to the first; idle time changes nothing."""
+        dt = now - self._t
+        if dt <= 0 or self.inflight <= 0:
+            return self._area, self._done
+        keep = math.exp(-dt / DRAIN_WINDOW_S)
+        return self._area * keep + self.inflight * dt, self._done * keep
+
+    def _advance(self) -> None:
+        now = self.clock()
+        self._area, self._done = self._decayed(now)
+        self._t = now
+
     def drain_rate(self) -> float:
-        """Completions per second (decays while requests are in flight and
-        nothing completes; an idle pool keeps its last estimate)."""
-        if self.inflight == 0:
-            return self._rate
-        idle = self.clock() - max(self._last_release, self._busy_since)
-        if idle > 1.0 and self._rate > 0:
-            return min(self._rate, 1.0 / idle)
-        return self._rate
+        """Completions per second the queue can expect: slots ÷ mean service
+        time (0 until something has completed)."""
+        area, done = self._decayed(self.clock())
+        if done <= 1e-9:
+            return 0.0
+        service = max(MIN_SERVICE_S, area / done)
+        return max(self.limit, self.inflight) / service
 
     def retry_after(self, position: int | None = None) -> int:
         pos = (self._queued if position is None else position) + 1
@@ -141,12 +164,9 @@ class Admission:
             self.on_wait(self.clock() - w.enqueued)
 
     def release(self) -> None:
+        self._advance()
         self.inflight -= 1
-        now = self.clock()
-        dt = max(1e-3, now - self._last_release)
-        self._last_release = now
-        # EWMA over ~10 completions: reacts within a second at vLLM rates.
-        self._rate = 0.9 * self._rate + 0.1 * (1.0 / dt) if self._rate else 1.0 / dt
+        self._done += 1.0
         self._wake()
 
     def _wake(self) -> None:
@@ -160,8 +180,7 @@ class Admission:
             w.future.set_result(None)
 
     def _take(self) -> None:
-        if self.inflight == 0:
-            self._busy_since = self.clock()
+        self._advance()
         self.inflight += 1
 
     def _pop(self) -> _Waiter | None:
@@ -181,15 +200,15 @@ class Admission:
 
     def _ahead_of(self, priority: Priority) -> bool:
         """Someone of the same or higher priority is already waiting."""
-        return any(self._queues[p] for p in PRIORITIES[: _RANK[priority] + 1])
+        return any(self._queues[p] for p in PRIORITIES[: RANK[priority] + 1])
 
     def _position(self, priority: Priority) -> int:
-        return sum(len(self._queues[p]) for p in PRIORITIES[: _RANK[priority] + 1])
+        return sum(len(self._queues[p]) for p in PRIORITIES[: RANK[priority] + 1])
 
     def _evict_below(self, priority: Priority) -> bool:
         """Make room for `priority` by shedding the newest lower-priority waiter."""
         for p in reversed(PRIORITIES):
-            if _RANK[p] <= _RANK[priority]:
+            if RANK[p] <= RANK[priority]:
                 return False
             q = self._queues[p]
             if q:

@@ -1,30 +1,44 @@
-"""Per-backend circuit breakers: pybreaker state, asyncio-safe use, failure rate.
+"""Per-backend circuit breakers: a small state machine on the injectable clock.
 
-pybreaker counts consecutive failures and keeps the state and listeners; we
-never `call()` it around an awaitable (it would count success before the
-coroutine ran, and hold its threading lock across awaits). Instead the
-request awaits the backend first and then *reports* the outcome through a
-trivial synchronous `call`, so pybreaker's lock is held for microseconds and
-the event loop never blocks.
+    closed ──(fail_max in a row, or failure rate)──► open
+    open ──(reset_timeout_s on the clock, at the next allow())──► half-open
+    half-open ──(a trial succeeds)──► closed
+    half-open ──(a trial fails)──► open (the timer restarts)
 
-pybreaker has no failure-rate window, so a backend failing 40 % of requests
-(never five in a row) would never trip. `BackendBreaker` adds one: over the
-last `window_s` seconds, once at least `min_calls` outcomes were seen, a
-failure share at or above `failure_rate` opens the breaker.
+A request asks `allow()` before it goes to the backend and gets a `Permit`
+(or None: not now). Its outcome is reported *with that permit*, after the
+await, so nothing is held across I/O. The permit carries the breaker's epoch
+(bumped on every state change) and, in half-open, a trial number, so:
 
-Open → half-open is decided here on the injectable clock (`allow()`), so the
-ladder's tests can drive time; half-open admits `half_open_max_calls` trial
-requests, and their outcome closes or re-opens the breaker.
+- an outcome counts only in the epoch that admitted it: a late success (a
+  request admitted while closed that finishes after the breaker opened) never
+  closes an open breaker, and a failure from before a recovery never reopens it;
+- in half-open only the trials' outcomes count, and only a trial's success
+  closes the breaker;
+- at most `half_open_max_calls` trials are out at once; a trial that has not
+  reported after `reset_timeout_s` (a leaked permit, a long stream) loses its
+  slot to the next call, though its outcome still counts when it comes; and
+  `release_trial(permit)` hands a slot back at once (no outcome: the client
+  left, the request was shed). Releasing a permit that already reported is a
+  no-op, so callers release in a `finally`.
+
+Open → half-open happens only on the injected clock (inside `allow()`), so
+tests drive time and no wall-clock timer moves the breaker behind anyone's
+back. Besides consecutive failures there is a failure-rate window: over the
+last `window_s` seconds, once at least `min_calls` outcomes are in, a failure
+share at or above `failure_rate` opens the breaker (a backend failing 40 % of
+requests, never five in a row, would otherwise never trip).
+
+Decisions only: time comes from the clock, side effects (metrics, logs,
+shared state) from the `on_change` callback.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import pybreaker
 
 from proxy.policy import BreakerPolicy
 
@@ -32,26 +46,13 @@ State = Literal["closed", "open", "half-open"]
 STATE_VALUES: dict[str, int] = {"closed": 0, "half-open": 1, "open": 2}
 
 
-class BackendFailure(Exception):
-    """An outcome reported to pybreaker as a failure."""
+@dataclass(frozen=True, slots=True)
+class Permit:
+    """Leave to send one request; hand it back with the outcome."""
 
-
-def _ok() -> None:
-    return None
-
-
-def _fail(reason: str) -> None:
-    raise BackendFailure(reason)
-
-
-class _Listener(pybreaker.CircuitBreakerListener):
-    def __init__(self, owner: BackendBreaker) -> None:
-        self.owner = owner
-
-    def state_change(self, cb: Any, old_state: Any, new_state: Any) -> None:
-        self.owner._on_state_change(
-            str(old_state.name) if old_state else "closed", str(new_state.name)
-        )
+    epoch: int
+    trial: int = 0  # 0: admitted while closed; else the half-open trial's number
+    owner: object = field(default=None, compare=False, repr=False)
 
 
 class BackendBreaker:
@@ -66,99 +67,103 @@ class BackendBreaker:
         self.policy = policy
         self.clock = clock
         self.on_change = on_change
+        self.state: State = "closed"
+        self.last_reason = ""
+        self.outcomes = 0  # outcomes that counted so far
+        self._epoch = 0
+        self._opened_at = 0.0
+        self._consecutive = 0
         self._outcomes: collections.deque[tuple[float, bool]] = collections.deque()
         self._failures_in_window = 0
-        self._opened_at = 0.0
-        self._half_open_inflight = 0
-        self._trial_started = 0.0
-        self.outcomes = 0  # outcomes reported so far (lets callers see if one was)
-        self._pending_reason = ""
-        self.last_reason = ""
-        self._cb = pybreaker.CircuitBreaker(
-            fail_max=policy.fail_max,
-            # pybreaker's own timer uses wall time; ours (allow) decides first.
-            reset_timeout=policy.reset_timeout_s,
-            listeners=[_Listener(self)],
-            name=name,
-        )
+        self._trials: dict[int, float] = {}  # trial number → when admitted
+        self._next_trial = 1
+        self._closed_permit = Permit(0, 0, self)  # all of a closed epoch's are alike
 
-    # -- state -------------------------------------------------------------------
+    # -- admission ---------------------------------------------------------------
 
-    @property
-    def state(self) -> State:
-        s = str(self._cb.current_state)
-        return s if s in ("closed", "open", "half-open") else "closed"  # type: ignore[return-value]
-
-    def allow(self) -> bool:
-        """May a request go to this backend now? Moves open → half-open after
-        the reset timeout and then admits a bounded number of trial calls."""
-        state = self.state
-        if state == "closed":
-            return True
-        if state == "open":
-            if self.clock() - self._opened_at < self.policy.reset_timeout_s:
-                return False
-            self._pending_reason = "reset timeout elapsed"
-            self._cb.half_open()
+    def allow(self) -> Permit | None:
+        """May a request go to this backend now? Moves open → half-open once
+        `reset_timeout_s` has passed on the clock, then admits a bounded number
+        of trial calls."""
+        if self.state == "closed":
+            return self._closed_permit
         now = self.clock()
-        if (
-            self._half_open_inflight >= self.policy.half_open_max_calls
-            and now - self._trial_started < self.policy.reset_timeout_s
-        ):
-            return False
-        # A trial that never reported (a leak would wedge the breaker) expires
-        # after reset_timeout_s; its slot goes to this call.
-        if self._half_open_inflight >= self.policy.half_open_max_calls:
-            self._half_open_inflight = self.policy.half_open_max_calls - 1
-        self._half_open_inflight += 1
-        self._trial_started = now
-        return True
+        if self.state == "open":
+            if now < self.retry_at():
+                return None
+            self._move("half-open", "reset timeout elapsed")
+        # Trials that never reported lose their slot after reset_timeout_s.
+        horizon = now - self.policy.reset_timeout_s
+        for n in [n for n, at in self._trials.items() if at <= horizon]:
+            del self._trials[n]
+        if len(self._trials) >= self.policy.half_open_max_calls:
+            return None
+        n = self._next_trial
+        self._next_trial += 1
+        self._trials[n] = now
+        return Permit(self._epoch, n, self)
 
-    def release_trial(self) -> None:
-        """A trial call ended without an outcome (client left, 429): free its slot."""
-        if self.state == "half-open" and self._half_open_inflight > 0:
-            self._half_open_inflight -= 1
+    def release_trial(self, permit: Permit | None) -> None:
+        """The call ended without an outcome (client left, 429): free its trial
+        slot. A no-op for a permit that reported or was not a trial."""
+        if permit is not None and self._current(permit) and permit.trial:
+            self._trials.pop(permit.trial, None)
 
     def retry_at(self) -> float:
         """Clock time when an open breaker will admit a trial call."""
         return self._opened_at + self.policy.reset_timeout_s
 
+    def _current(self, permit: Permit) -> bool:
+        return permit.owner is self and permit.epoch == self._epoch
+
     # -- outcomes ----------------------------------------------------------------
 
-    def record_success(self) -> None:
-        self._observe(True)
-        cb = self._cb
-        if cb.fail_counter == 0 and cb.current_state == "closed":
-            return  # nothing for pybreaker to reset: skip its locked call path
-        self._report(_ok)
-
-    def record_failure(self, reason: str) -> None:
-        self.last_reason = reason
-        self._observe(False)
-        if self.state == "closed" and self._rate_exceeded():
-            rate = self._failures_in_window / len(self._outcomes)
-            self.force_open(f"failure rate {rate:.0%} over {len(self._outcomes)} calls: {reason}")
+    def record_success(self, permit: Permit) -> None:
+        if not self._counts(permit):
             return
-        self._pending_reason = reason
-        self._report(_fail, reason)
+        if self.state == "half-open":
+            self._move("closed", "trial call succeeded")
+            return
+        self._consecutive = 0
+        self._observe(True)
+
+    def record_failure(self, permit: Permit, reason: str) -> None:
+        if not self._counts(permit):
+            return
+        self.last_reason = reason
+        if self.state == "half-open":
+            self._move("open", f"trial call failed: {reason}")
+            return
+        self._consecutive += 1
+        self._observe(False)
+        p = self.policy
+        n = len(self._outcomes)
+        if p.failure_rate > 0 and n >= p.min_calls and self.failure_rate() >= p.failure_rate:
+            self._move("open", f"failure rate {self.failure_rate():.0%} over {n} calls: {reason}")
+        elif self._consecutive >= p.fail_max:
+            self._move("open", reason)
+
+    def _counts(self, permit: Permit) -> bool:
+        """Does this outcome count? Only in the epoch that admitted it, and in
+        half-open only for a trial still out."""
+        if not self._current(permit) or self.state == "open":
+            return False
+        if self.state == "half-open":
+            # Every permit of a half-open epoch is a trial; one that outlived
+            # its slot (a long stream) still counts: it is this epoch's evidence.
+            self._trials.pop(permit.trial, None)
+        self.outcomes += 1
+        return True
 
     def force_open(self, reason: str) -> None:
+        """Open now (another replica saw the backend fail); restarts the timer."""
         self.last_reason = reason
-        self._pending_reason = reason
-        self._cb.open()
+        self._move("open", reason)
 
     def reset(self, reason: str = "reset") -> None:
-        self._pending_reason = reason
-        self._cb.close()
-
-    def _report(self, fn: Callable[..., None], *args: Any) -> None:
-        if self.state == "half-open":
-            self._half_open_inflight = max(0, self._half_open_inflight - 1)
-        with contextlib.suppress(BackendFailure, pybreaker.CircuitBreakerError):
-            self._cb.call(fn, *args)
+        self._move("closed", reason)
 
     def _observe(self, ok: bool) -> None:
-        self.outcomes += 1
         now = self.clock()
         q = self._outcomes
         q.append((now, ok))
@@ -170,36 +175,31 @@ class BackendBreaker:
             if not was_ok:
                 self._failures_in_window -= 1
 
-    def _rate_exceeded(self) -> bool:
-        p = self.policy
-        n = len(self._outcomes)
-        return (
-            p.failure_rate > 0
-            and n >= p.min_calls
-            and self._failures_in_window / n >= p.failure_rate
-        )
-
     def failure_rate(self) -> float:
         n = len(self._outcomes)
         return self._failures_in_window / n if n else 0.0
 
-    def _on_state_change(self, old: str, new: str) -> None:
+    # -- transitions -------------------------------------------------------------
+
+    def _move(self, new: State, reason: str) -> None:
+        old = self.state
+        self.state = new
+        self._epoch += 1  # every permit handed out so far is now stale
+        self._trials.clear()
+        self._closed_permit = Permit(self._epoch, 0, self)
         if new == "open":
             self._opened_at = self.clock()
-            self._half_open_inflight = 0
-        if new == "closed":
+        if new == "closed":  # the counts stay visible in status while open
+            self._consecutive = 0
             self._outcomes.clear()
             self._failures_in_window = 0
-            self._half_open_inflight = 0
-        reason = self._pending_reason or new
-        self._pending_reason = ""
         if self.on_change is not None and old != new:
-            self.on_change(self.name, old, new, reason)  # type: ignore[arg-type]
+            self.on_change(self.name, old, new, reason)
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "state": self.state,
-            "consecutive_failures": int(self._cb.fail_counter),
+            "consecutive_failures": self._consecutive,
             "failure_rate": round(self.failure_rate(), 3),
             "window_calls": len(self._outcomes),
             "last_failure": self.last_reason or None,

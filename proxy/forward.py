@@ -29,6 +29,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.admission import Rejected
+from proxy.breaker import Permit
 from proxy.conversation import (
     SessionContext,
     answer_from_body,
@@ -94,6 +95,8 @@ class Flow:
         self.overhead_pre = 0.0
         self._adapted: dict[str, dict[str, Any]] = {}
         self.body_changed = False
+        # Each backend's breaker permit for the attempt in progress.
+        self.permits: dict[str, Permit] = {}
 
     # -- the flow ----------------------------------------------------------------
 
@@ -116,19 +119,19 @@ class Flow:
             return self.maintenance(f"tier {rt.tier}")
         prev: Upstream | None = None
         for up in candidates:
-            if not up.breaker.allow():
+            permit = up.breaker.allow()
+            if permit is None:
                 continue
             if prev is not None:
                 rt.metrics.retries.labels(prev.name, up.name).inc()
                 log.info("retry", request_id=self.rid, from_backend=prev.name, to_backend=up.name)
             prev = up
-            before = up.breaker.outcomes
+            self.permits[up.name] = permit
             try:
                 response = await self.attempt(up)
             finally:
-                if up.breaker.outcomes == before:
-                    # No outcome (shed, client gone): a half-open trial slot goes back.
-                    up.breaker.release_trial()
+                # No outcome (shed, client gone): a half-open trial slot goes back.
+                up.breaker.release_trial(permit)
             if response is not None:
                 return response
         return self.all_failed()
@@ -190,7 +193,7 @@ class Flow:
                 resp = await up.session.post(url, data=payload, headers=headers)
         except aiohttp.ClientConnectorError as exc:
             reason = exc.os_error.strerror or str(exc)
-            rt.report_failure(up, "connect", reason)
+            rt.report_failure(up, "connect", reason, permit=self.permits[up.name])
             self.last_error = (
                 502,
                 error_body(
@@ -202,7 +205,7 @@ class Flow:
             )
             return None
         except TimeoutError:
-            rt.report_failure(up, "first_byte_timeout")
+            rt.report_failure(up, "first_byte_timeout", permit=self.permits[up.name])
             self.last_error = (
                 504,
                 error_body(
@@ -212,7 +215,7 @@ class Flow:
             )
             return None
         except aiohttp.ClientError as exc:
-            rt.report_failure(up, "request", type(exc).__name__)
+            rt.report_failure(up, "request", type(exc).__name__, permit=self.permits[up.name])
             self.last_error = (
                 502,
                 error_body(
@@ -245,7 +248,7 @@ class Flow:
             async with asyncio.timeout(up.policy.timeouts.idle_s):
                 body = await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            rt.report_failure(up, "body", type(exc).__name__)
+            rt.report_failure(up, "body", type(exc).__name__, permit=self.permits[up.name])
             self.last_error = (
                 502,
                 error_body(
@@ -258,7 +261,7 @@ class Flow:
             return None
         if resp.status in _RETRYABLE_STATUS:
             if resp.status != 429:  # 429 is load, not a broken backend
-                rt.report_failure(up, f"http_{resp.status}")
+                rt.report_failure(up, f"http_{resp.status}", permit=self.permits[up.name])
             self.last_error = (resp.status, upstream_error_body(resp.status, body), up.name)
             return None
         if resp.status == 200 and rt.guard is not None:
@@ -270,7 +273,9 @@ class Flow:
                 return error_response(
                     502, trip.message, type_="server_error", code="invalid_output", headers=headers
                 )
-        rt.report_success(up)  # a 4xx is the request's fault, not the backend's
+        rt.report_success(
+            up, permit=self.permits[up.name]
+        )  # a 4xx is the request's fault, not the backend's
         headers = self.response_headers(up.name)
         if resp.status >= 400:
             body = upstream_error_body(resp.status, body)
@@ -312,10 +317,12 @@ class Flow:
             assert result.response is not None
             if result.status in _RETRYABLE_STATUS:
                 if result.status != 429:
-                    rt.report_failure(up, result.outcome, result.detail)
+                    rt.report_failure(
+                        up, result.outcome, result.detail, permit=self.permits[up.name]
+                    )
                 self.last_error = (result.status, result.response.body or b"", up.name)  # type: ignore[assignment]
                 return None
-            rt.report_success(up)
+            rt.report_success(up, permit=self.permits[up.name])
             self.finish_stream(up.name, result)
             return result.response
         if result.outcome == "complete":
@@ -325,16 +332,16 @@ class Flow:
             if up.name == "primary":
                 rt.pressure.record_ttft(ttft)
             if limit and ttft > limit:
-                rt.report_failure(up, "slow_ttft", f"{ttft:.2f}s")
+                rt.report_failure(up, "slow_ttft", f"{ttft:.2f}s", permit=self.permits[up.name])
             else:
-                rt.report_success(up)
+                rt.report_success(up, permit=self.permits[up.name])
             if self.session is not None and self.endpoint == "chat":
                 await self.save_turn(self.streamed_answer(result))
         elif result.outcome == "guard_trip":
             self.guard_tripped(up, result.trip)
             await end_with_error(result)
         elif result.outcome != "client_disconnect":
-            rt.report_failure(up, result.outcome, result.detail)
+            rt.report_failure(up, result.outcome, result.detail, permit=self.permits[up.name])
             if not await self.rescue(up, result, sg):
                 await end_with_error(result)
             elif self.rescued and self.session is not None:
@@ -361,7 +368,7 @@ class Flow:
             rule=rule,
             excerpt=trip.excerpt if trip is not None else "",
         )
-        rt.report_failure(up, "invalid_output", rule)
+        rt.report_failure(up, "invalid_output", rule, permit=self.permits[up.name])
 
     # -- rescue ------------------------------------------------------------------
 
@@ -383,15 +390,15 @@ class Flow:
         fb = rt.upstreams.get("fallback")
         if fb is None or not self.can_rescue(up) or result.regions is None:
             return False
-        if not fb.breaker.allow():
+        permit = fb.breaker.allow()
+        if permit is None:
             rt.metrics.rescues.labels("fallback_unavailable").inc()
             return False
-        before = fb.breaker.outcomes
+        self.permits[fb.name] = permit
         try:
             return await self._rescue_on(fb, up, result, guard)
         finally:
-            if fb.breaker.outcomes == before:
-                fb.breaker.release_trial()
+            fb.breaker.release_trial(permit)
 
     async def _rescue_on(
         self, fb: Upstream, up: Upstream, result: StreamResult, guard: StreamGuard | None
@@ -422,7 +429,7 @@ class Flow:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             return True  # the client left; nothing more to say
         except (aiohttp.ClientError, TimeoutError) as exc:
-            rt.report_failure(fb, "rescue", type(exc).__name__)
+            rt.report_failure(fb, "rescue", type(exc).__name__, permit=self.permits[fb.name])
             rt.metrics.rescues.labels("failed").inc()
             return False
         try:
@@ -431,7 +438,7 @@ class Flow:
             ):
                 await resp.read()
                 if resp.status >= 500:
-                    rt.report_failure(fb, f"http_{resp.status}")
+                    rt.report_failure(fb, f"http_{resp.status}", permit=self.permits[fb.name])
                 rt.metrics.rescues.labels("failed").inc()
                 return False
             more = await relay_stream(
@@ -455,7 +462,7 @@ class Flow:
         if result.regions is not None and more.regions:
             result.regions.extend(more.regions)
         if more.outcome == "complete":
-            rt.report_success(fb)
+            rt.report_success(fb, permit=self.permits[fb.name])
             rt.metrics.rescues.labels("rescued").inc()
             result.outcome = "complete"
             result.detail = f"rescued on {fb.name} after {result.detail or up.name + ' failed'}"
@@ -467,7 +474,7 @@ class Flow:
         if more.outcome == "guard_trip":
             self.guard_tripped(fb, more.trip)
         else:
-            rt.report_failure(fb, more.outcome, more.detail)
+            rt.report_failure(fb, more.outcome, more.detail, permit=self.permits[fb.name])
         rt.metrics.rescues.labels("failed").inc()
         await end_with_error(more)
         result.outcome = more.outcome

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from proxy.breaker import Permit
 from proxy.pressure import parse_vllm_metrics
 from proxy.supervise import Body, Sleep
 from proxy.upstream import Upstream
@@ -64,28 +65,34 @@ class Evaluator:
                 if id(up) in self._probing:
                     continue
                 b = up.breaker
-                if b.state == "open" and rt.clock() >= b.retry_at() and b.allow():
-                    task = self.state.supervisor.spawn(f"recovery_probe_{up.name}", self._probe(up))
+                permit = b.allow() if b.state == "open" and rt.clock() >= b.retry_at() else None
+                if permit is not None:
+                    task = self.state.supervisor.spawn(
+                        f"recovery_probe_{up.name}", self._probe(up, permit)
+                    )
                     self._probing[id(up)] = task
         rt.evaluate(window=True)
 
     def probing(self) -> list[str]:
         return sorted(t.get_name() for t in self._probing.values())
 
-    async def _probe(self, up: Upstream) -> None:
+    async def _probe(self, up: Upstream, permit: Permit) -> None:
+        """The half-open trial `permit` admitted: its outcome closes or reopens."""
         try:
-            why = await up.recovery_probe()
-        except Exception as exc:
-            # The trial must end either way, or the breaker stays half-open.
-            up.breaker.record_failure(f"recovery probe: {type(exc).__name__}")
-            raise  # logged and counted by the supervisor
+            try:
+                why = await up.recovery_probe()
+            except Exception as exc:
+                # The trial must end either way, or the breaker stays half-open.
+                up.breaker.record_failure(permit, f"recovery probe: {type(exc).__name__}")
+                raise  # logged and counted by the supervisor
+            # The breaker's transition re-evaluates the ladder (`evaluate_soon`).
+            if why is None:
+                self.state.current.report_success(up, permit=permit)
+            else:
+                up.breaker.record_failure(permit, f"recovery probe: {why}")
         finally:
             self._probing.pop(id(up), None)
-        # The breaker's transition re-evaluates the ladder (`evaluate_soon`).
-        if why is None:
-            self.state.current.report_success(up)
-        else:
-            up.breaker.record_failure(f"recovery probe: {why}")
+            up.breaker.release_trial(permit)  # cancelled: the slot goes back at once
 
 
 async def scrape_forever(state: ProxyState) -> None:

@@ -6,10 +6,15 @@ so the request path never pays for `.labels()` lookups it can avoid.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from proxy.logs import lines_dropped
 
 # TTFT and durations of LLM calls span milliseconds (a cached prefix) to
 # minutes (a long generation), so the buckets do too.
@@ -285,6 +290,7 @@ class Metrics:
             ["loop"],
             registry=r,
         )
+        r.register(_LogDrops())
 
     def for_backend(self, name: str) -> BackendMetrics:
         return BackendMetrics(
@@ -295,3 +301,14 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LogDrops(Collector):
+    """The process's log writer counts what it dropped; read at scrape time."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "brownout_log_lines_dropped",
+            "Log lines dropped because stderr's reader did not keep up.",
+            value=lines_dropped(),
+        )

@@ -20,13 +20,13 @@ import structlog
 from prometheus_client import Counter
 
 from proxy.admission import Admission
-from proxy.breaker import STATE_VALUES
+from proxy.breaker import STATE_VALUES, Permit
 from proxy.conversation import TurnIds
 from proxy.guard import Guard
 from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
-from proxy.policy import Policy, Priority, redact_url
+from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
 from proxy.pressure import PressureMonitor, next_limit
 from proxy.saves import PendingSaves
 from proxy.sessions import MemorySessionStore, SessionStore
@@ -37,7 +37,6 @@ from proxy.upstream import Upstream
 
 log = structlog.get_logger("brownout.ladder")
 
-RANK_PRIORITY = {"critical": 0, "normal": 1, "sheddable": 2}
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
 
@@ -61,10 +60,8 @@ class Runtime:
         throttle = pol.ladder.throttle
         self.pressure = PressureMonitor(throttle, self.clock)
         self.admission = Admission(throttle, self.clock, self._on_queue_wait)
-        self.key_priority: dict[str, Priority] = {}
-        for kp in throttle.key_priorities:
-            key, _, prio = kp.rpartition("=")
-            self.key_priority[key] = prio  # type: ignore[assignment]
+        self.key_grants = parse_key_priorities(throttle.key_priorities)
+        self.default_grant = Grant(throttle.default_priority, throttle.default_priority)
         m = self.metrics
         self.tasks: Supervisor = self.supervisor or Supervisor(m.loop_errors)
         self._wall_offset = time.time() - self.clock()
@@ -181,13 +178,9 @@ class Runtime:
         self.pressure.record_queue_wait(seconds, self.admission.limit)
 
     def priority_for(self, header: str | None, api_key: str | None) -> Priority:
-        """`X-Priority` may lower a key's mapped priority, never raise it."""
-        base = self.key_priority.get(api_key or "", self.policy.ladder.throttle.default_priority)
-        if header in ("critical", "normal", "sheddable"):
-            if api_key in self.key_priority and RANK_PRIORITY[header] < RANK_PRIORITY[base]:
-                return base
-            return header  # type: ignore[return-value]
-        return base
+        """`X-Priority` may lower the client's priority (its key's entry, else
+        `default_priority`), and raise it only up to the ceiling its entry names."""
+        return self.key_grants.get(api_key or "", self.default_grant).for_header(header)
 
     @property
     def tier(self) -> str:
@@ -272,12 +265,14 @@ class Runtime:
         except Exception as exc:  # a loop callback: asyncio would only print it
             self.tasks.failed("evaluate_soon", exc)
 
-    def report_success(self, up: Upstream) -> None:
-        up.breaker.record_success()
+    def report_success(self, up: Upstream, *, permit: Permit) -> None:
+        up.breaker.record_success(permit)
 
-    def report_failure(self, up: Upstream, kind: str, detail: str = "") -> None:
+    def report_failure(self, up: Upstream, kind: str, detail: str = "", *, permit: Permit) -> None:
+        """`permit` is what `up.breaker.allow()` gave this call: the outcome
+        counts only in the breaker epoch that admitted it."""
         self.metrics.upstream_errors.labels(up.name, kind).inc()
-        up.breaker.record_failure(f"{kind}: {detail}" if detail else kind)
+        up.breaker.record_failure(permit, f"{kind}: {detail}" if detail else kind)
         self.ladder.report_failure(up.name)
 
     def on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:

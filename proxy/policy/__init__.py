@@ -35,24 +35,31 @@ from proxy.policy.guard import (
 )
 from proxy.policy.knobs import knob
 from proxy.policy.ladder import (
-    PRIORITIES,
     AdmissionPolicy,
     BreakerPolicy,
     FailoverPolicy,
     LadderPolicy,
     MaintenancePolicy,
-    Priority,
     RecoveryPolicy,
     SharedPolicy,
     ThrottlePolicy,
 )
 from proxy.policy.loader import PolicyError, PolicyIssue, load_policy, parse_policy
+from proxy.policy.priority import (
+    PRIORITIES,
+    RANK,
+    Grant,
+    Priority,
+    parse_key_priorities,
+    parse_key_priority,
+)
 from proxy.policy.schema import Policy
 from proxy.policy.server import ServerPolicy
 from proxy.policy.sessions import SessionsPolicy, TrimPolicy
 
 __all__ = [
     "PRIORITIES",
+    "RANK",
     "Action",
     "AdmissionPolicy",
     "BackendKind",
@@ -64,6 +71,7 @@ __all__ = [
     "FaqEntry",
     "FaqFile",
     "FaqPolicy",
+    "Grant",
     "GuardPolicy",
     "HealthPolicy",
     "LadderPolicy",
@@ -87,6 +95,8 @@ __all__ = [
     "flatten",
     "knob",
     "load_policy",
+    "parse_key_priorities",
+    "parse_key_priority",
     "parse_policy",
     "policy_diff",
     "redact",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from proxy.policy.ladder import PRIORITIES
+from proxy.policy.priority import parse_key_priority
 from proxy.policy.schema import Policy
 
 if TYPE_CHECKING:
@@ -79,12 +79,10 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
 
     th = policy.ladder.throttle
     for i, kp in enumerate(th.key_priorities):
-        key, sep, prio = kp.rpartition("=")
-        if not sep or not key or prio not in PRIORITIES:
-            bad(
-                "ladder.throttle.key_priorities",
-                f"item {i} is not KEY=critical|normal|sheddable",
-            )
+        try:
+            parse_key_priority(kp)
+        except ValueError as exc:  # the message never quotes the key
+            bad("ladder.throttle.key_priorities", f"item {i} {exc}")
     for knob_name in ("min_limit", "throttled_limit"):
         value = getattr(th, knob_name)
         if value > th.max_inflight:

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.policy.knobs import knob
-
-Priority = Literal["critical", "normal", "sheddable"]
-PRIORITIES: tuple[Priority, ...] = ("critical", "normal", "sheddable")
+from proxy.policy.priority import Priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +25,8 @@ class AdmissionPolicy:
     )
     key_priorities: tuple[str, ...] = knob(
         (),
-        "`API_KEY=priority` pairs giving a client key a priority (the header may only lower it).",
+        "`API_KEY=priority` entries giving a client key a priority; `X-Priority` may only "
+        "lower it, unless the entry names a ceiling: `API_KEY=normal..critical`.",
         secret="pairs",
     )
 
