@@ -52,6 +52,16 @@ class ServerPolicy:
         "Send an SSE comment (`: ping`) when the backend has been silent this long, so "
         "nginx's proxy_read_timeout and idle load balancers keep the stream.",
     )
+    max_event_bytes: int = knob(
+        1024 * 1024,
+        "A backend stream event larger than this (no blank line yet) ends the stream with "
+        "an in-band error (a 502 before the first byte): bounds memory and CPU per stream.",
+    )
+    max_kept_bytes: int = knob(
+        8 * 1024 * 1024,
+        "Stream bytes kept per answer for a rescue or a session save; a longer answer is "
+        "still relayed, but neither rescued nor saved.",
+    )
     log_prompts: bool = knob(False, "Prompts and completions reach the logs only when true.")
     log_level: Literal["debug", "info", "warning", "error"] = knob("info", "Log level.")
     shutdown_grace_s: float = knob(10.0, "Seconds in-flight requests get to finish on shutdown.")

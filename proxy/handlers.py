@@ -1,7 +1,7 @@
 """HTTP handlers: thin adapters from aiohttp requests to the flows.
 
-Completions go through `proxy.forward.Flow` (ladder, retries, rescue,
-maintenance); the rest are pass-through, operational and admin endpoints.
+Completions and every other /v1/* call go through `proxy.pipeline` (ladder,
+retries, rescue, maintenance); the rest are operational and admin endpoints.
 """
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ import hmac
 import json
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 
 from proxy.conversation import SessionContext, user_text
 from proxy.errors import RequestRejected, error_response
-from proxy.forward import Flow, upstream_headers
 from proxy.keys import STATE
 from proxy.ladder import TIERS
+from proxy.pipeline import serve_completion, serve_passthrough
 from proxy.runtime import Runtime, request_id
 from proxy.sessions import SessionIdError, session_key
 from proxy.validate import Endpoint, parse_body
@@ -99,10 +98,9 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
             if isinstance(ctx, web.Response):
                 return ctx
             session = ctx
-        flow = Flow(
+        return await serve_completion(
             request, rt, endpoint, raw, parsed.body, parsed.stream, rid, t0, priority, session
         )
-        return await flow.run()
     finally:
         rt.inflight -= 1
 
@@ -141,9 +139,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Any other /v1/* call (models, embeddings, ...): relayed as is, to the
-    first backend that can be reached."""
+    """Any other /v1/* call (models, embeddings, responses, ...): through the
+    pipeline (admission, breakers, tier routing, maintenance), body unchanged."""
     rt = request.app[STATE].current
+    t0 = asyncio.get_running_loop().time()
     rid = request_id(request.headers.get("X-Request-Id"))
     base = {"X-Request-Id": rid, "X-Brownout-Tier": rt.tier}
     try:
@@ -157,46 +156,14 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         )
     except RequestRejected as rej:
         return rej.response(base)
-    last_error = "no backend configured"
-    _dest, candidates = rt.route()
-    for up in candidates or list(rt.upstreams.values()):
-        headers = upstream_headers(request, up, rid)
-        try:
-            async with asyncio.timeout(up.policy.timeouts.first_byte_s):
-                resp = await up.session.request(
-                    request.method,
-                    up.url_for(request.rel_url.raw_path_qs),
-                    data=raw or None,
-                    headers=headers,
-                )
-        except aiohttp.ClientConnectorError as exc:
-            last_error = f"{up.name} backend unreachable: {exc.os_error.strerror or exc}"
-            continue
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return error_response(
-                504 if isinstance(exc, TimeoutError) else 502,
-                f"backend request failed: {type(exc).__name__}",
-                type_="server_error",
-                code="upstream_error",
-                headers=_response_headers(rt, rid, up.name),
-            )
-        try:
-            out = web.StreamResponse(
-                status=resp.status, headers=_response_headers(rt, rid, up.name)
-            )
-            for k in ("Content-Type", "Content-Encoding"):
-                if k in resp.headers:
-                    out.headers[k] = resp.headers[k]
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            rt.count_request(up.name, "passthrough", resp.status)
-            return out
-        finally:
-            resp.close()
-    return error_response(
-        502, last_error, type_="server_error", code="upstream_unreachable", headers=base
-    )
+    auth = request.headers.get("Authorization", "")
+    api_key = auth[7:] if auth[:7].lower() == "bearer " else None
+    priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
+    rt.inflight += 1
+    try:
+        return await serve_passthrough(request, rt, raw, rid, t0, priority)
+    finally:
+        rt.inflight -= 1
 
 
 async def healthz(request: web.Request) -> web.Response:

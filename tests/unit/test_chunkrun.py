@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from proxy.chunkrun import ChunkRuns
 from proxy.guard import Guard, GuardPolicy
-from proxy.relay import markers
+from proxy.openai.chunks import markers
 
 DONE = b"data: [DONE]\n\n"
 GUARD = Guard(GuardPolicy())

@@ -6,7 +6,7 @@ import json
 
 from proxy.config import FaqEntry, FaqPolicy, MaintenancePolicy
 from proxy.maintenance import Maintenance, last_user_text, render_json, render_stream
-from proxy.rescue import continuation_body, partial_text
+from proxy.openai.partial import continuation_body, partial_text
 from proxy.sse import SSEParser
 
 FAQ = FaqPolicy(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -24,16 +23,18 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from proxy.chunkrun import ChunkRuns, Run
+from proxy.chunkrun import ChunkRuns
 from proxy.errors import error_body
 from proxy.guard import StreamGuard, Trip
+from proxy.openai.chunks import error_status, is_chunk_stream, is_error_event, markers
 from proxy.sse import (
     DONE_EVENT,
     HEARTBEAT,
+    MAX_EVENT_BYTES,
+    EventTooLarge,
     SSEFramer,
     error_events,
     error_payload,
-    find_line,
     json_event,
 )
 
@@ -46,55 +47,8 @@ Outcome = Literal[
     "first_byte_timeout",
     "upstream_disconnect",
     "client_disconnect",
+    "event_too_large",  # an event outgrew server.max_event_bytes
 ]
-
-
-def has_finish_reason(data: bytes) -> bool:
-    """True when a chunk carries a non-null finish_reason (vLLM sends `null` on
-    every other chunk, so the key alone is not enough). Inside a JSON string
-    the quotes would be escaped, so token text cannot match."""
-    return b'"finish_reason":"' in data or b'"finish_reason": "' in data
-
-
-def markers(region: bytes, run: Run | None = None) -> tuple[int, int, bool, int]:
-    """(events, first error event, any finish_reason, [DONE]) of a region of
-    whole events, positions -1 if none. A run of plain text chunks holds none
-    of the markers, so only the events around it are searched."""
-    if run is None:
-        return _search(region, 0)
-    events, err_at, finished, done_at = _search(region[: run.start], 0)
-    if err_at < 0 and done_at < 0:
-        more, err_at, fin, done_at = _search(region[run.end :], run.end)
-        events += more
-        finished = finished or fin
-    return events + len(run.literals), err_at, finished, done_at
-
-
-def _search(region: bytes, offset: int) -> tuple[int, int, bool, int]:
-    err_at = find_line(region, b'data: {"error"')
-    done_at = find_line(region, b"data: [DONE]")
-    return (
-        region.count(b"\n\n"),
-        err_at + offset if err_at >= 0 else -1,
-        has_finish_reason(region),
-        done_at + offset if done_at >= 0 else -1,
-    )
-
-
-def is_error_event(data: bytes) -> bool:
-    return data[:12].replace(b" ", b"").startswith(b'{"error"')
-
-
-def error_status(data: bytes) -> tuple[int, bytes]:
-    """HTTP status and JSON body for an error event that arrived before any
-    answer bytes: the event's own `code` when it is an HTTP status."""
-    try:
-        obj = json.loads(data)
-        code = obj["error"].get("code")
-    except (ValueError, KeyError, AttributeError, TypeError):
-        return 502, error_body("upstream sent a malformed error event", "server_error", 502)
-    status = code if isinstance(code, int) and 400 <= code <= 599 else 502
-    return status, data
 
 
 @dataclass(slots=True)
@@ -113,6 +67,7 @@ class StreamResult:
     error_event: bytes = b""  # the upstream's own error event, when it sent one
     regions: list[bytes] | None = None  # what was forwarded, when asked to keep it
     trip: Trip | None = None  # why the guard stopped the stream
+    kept_overflow: bool = False  # more than keep_limit bytes: regions were let go
 
     @property
     def started(self) -> bool:
@@ -212,6 +167,9 @@ async def relay_stream(
     keep: bool = False,
     guard: StreamGuard | None = None,
     end_response: bool = True,
+    max_event_bytes: int = MAX_EVENT_BYTES,
+    keep_limit: int = 1 << 62,
+    guard_chunks_only: bool = False,
 ) -> StreamResult:
     """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
 
@@ -226,17 +184,22 @@ async def relay_stream(
     With `end_response`, a complete answer also ends the HTTP response (one
     send); without it the caller still has work before the client may see
     the end (a session save: the next turn must find this one).
+    At most `keep_limit` bytes are kept (then `kept_overflow`, nothing kept);
+    an event over `max_event_bytes` ends the stream (`event_too_large`). With
+    `guard_chunks_only`, the guard only looks at chat/completion chunk streams
+    (a pass-through path whose format is only known from its first event).
     """
     if client is None:
         client = web.StreamResponse(status=200, headers=headers)
     pump = _Pump(request, upstream, client, heartbeat_s, idle_s)
     loop = pump.loop
-    framer = SSEFramer()
+    framer = SSEFramer(max_event_bytes)
     runs = ChunkRuns()
     result = StreamResult("truncated", 200, client=client)
     if keep:
         result.regions = []
     kept = result.regions
+    kept_bytes = 0
     content = upstream.content
     try:
         # ---- until the first event: failures can still be HTTP errors.
@@ -252,6 +215,15 @@ async def relay_stream(
             result.outcome = "first_byte_timeout"
             result.detail = "no answer from the backend before the first-byte deadline"
             return await _fail(pump, result, 504, "upstream_timeout")
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            # Nothing reached the client yet: an HTTP error the caller may retry.
+            result.outcome = "upstream_disconnect"
+            result.detail = f"backend connection lost before the answer ({type(exc).__name__})"
+            return await _fail(pump, result, 502, "upstream_disconnect")
+        except EventTooLarge as exc:
+            result.outcome = "event_too_large"
+            result.detail = f"backend stream: {exc}"
+            return await _fail(pump, result, 502, "upstream_event_too_large")
         if not region:
             region = framer.flush()
             if not region:
@@ -259,6 +231,8 @@ async def relay_stream(
                 result.detail = "backend closed the stream before sending anything"
                 return await _fail(pump, result, 502, "upstream_truncated")
         result.first_event_at = loop.time()
+        if guard is not None and guard_chunks_only and not is_chunk_stream(region):
+            guard = None
         if region.startswith(b"data:"):
             first = region[5 : region.find(b"\n")].strip()
             if is_error_event(first):
@@ -341,6 +315,11 @@ async def relay_stream(
                 await write(region)
                 if kept is not None:
                     kept.append(region)
+                    kept_bytes += len(region)
+                    if kept_bytes > keep_limit:
+                        kept.clear()
+                        kept = result.regions = None
+                        result.kept_overflow = True
             region = b""
             while not region:
                 try:
@@ -370,7 +349,13 @@ async def relay_stream(
                         result.code = "upstream_truncated"
                     return result
                 pump.last_activity = loop.time()
-                region = framer.feed(chunk)
+                try:
+                    region = framer.feed(chunk)
+                except EventTooLarge as exc:
+                    result.outcome = "event_too_large"
+                    result.detail = f"backend stream: {exc}"
+                    result.code = "upstream_event_too_large"
+                    return result
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         result.outcome = "client_disconnect"
         return result

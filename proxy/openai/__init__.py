@@ -1,0 +1,1 @@
+"""Sans-IO OpenAI wire knowledge: bytes and dicts in, bytes and values out (no sockets)."""
