@@ -128,11 +128,7 @@ async def _attempt(
             "text/event-stream"
         )
         if passthrough:
-            if sse:
-                return await relay_events(
-                    rec, up, resp, deadline, t_call, keep=False, passthrough=True
-                )
-            return await relay_passthrough(rec, up, resp)
+            return await relay_passthrough(rec, up, resp, deadline, t_call, sse=sse)
         if rec.stream and sse:
             keep = can_rescue(rec, up) or rec.session is not None
             return await relay_events(rec, up, resp, deadline, t_call, keep=keep)

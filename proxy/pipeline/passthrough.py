@@ -17,9 +17,10 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from proxy.openai.chunks import is_chunk_stream
 from proxy.pipeline.call import failed, upstream_error_body
 from proxy.pipeline.record import AttemptResult, RequestRecord
-from proxy.pipeline.relay import PASSTHROUGH_HEADERS, RETRYABLE_STATUS
+from proxy.pipeline.relay import PASSTHROUGH_HEADERS, RETRYABLE_STATUS, relay_events
 from proxy.upstream import Upstream
 
 # An error body read to pass it on is at most this long (an error, not an answer).
@@ -40,10 +41,38 @@ def relative_location(up: Upstream, location: str) -> str | None:
 
 
 async def relay_passthrough(
-    rec: RequestRecord, up: Upstream, resp: aiohttp.ClientResponse
+    rec: RequestRecord,
+    up: Upstream,
+    resp: aiohttp.ClientResponse,
+    deadline: float,
+    t_call: float,
+    *,
+    sse: bool,
 ) -> AttemptResult:
     idle_s = up.policy.timeouts.idle_s
     status = resp.status
+    first = b""
+    if sse:
+        # The first bytes tell the format: chat/completion chunks get the
+        # pump and the guard; any other stream is relayed byte for byte.
+        try:
+            async with asyncio.timeout_at(deadline):
+                first = await resp.content.readany()
+        except TimeoutError:
+            return failed(
+                up,
+                504,
+                "backend did not answer before the deadline",
+                "upstream_timeout",
+                "first_byte_timeout",
+            )
+        except aiohttp.ClientError as exc:
+            name = type(exc).__name__
+            return failed(
+                up, 502, f"backend answer could not be read: {name}", "upstream_error", "body", name
+            )
+        if is_chunk_stream(first):
+            return await relay_events(rec, up, resp, deadline, t_call, keep=False, prefix=first)
     if status in RETRYABLE_STATUS:
         try:
             async with asyncio.timeout(idle_s):
@@ -81,6 +110,8 @@ async def relay_passthrough(
     first_byte = rec.loop.time()
     content = resp.content
     try:
+        if first:
+            await out.write(first)
         while True:
             async with asyncio.timeout(idle_s):
                 chunk = await content.readany()

@@ -26,7 +26,7 @@ from aiohttp import web
 from proxy.chunkrun import ChunkRuns
 from proxy.errors import error_body
 from proxy.guard import StreamGuard, Trip
-from proxy.openai.chunks import error_status, is_chunk_stream, is_error_event, markers
+from proxy.openai.chunks import error_status, is_error_event, markers
 from proxy.sse import (
     DONE_EVENT,
     HEARTBEAT,
@@ -169,7 +169,7 @@ async def relay_stream(
     end_response: bool = True,
     max_event_bytes: int = MAX_EVENT_BYTES,
     keep_limit: int = 1 << 62,
-    guard_chunks_only: bool = False,
+    prefix: bytes = b"",
 ) -> StreamResult:
     """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
 
@@ -185,9 +185,8 @@ async def relay_stream(
     send); without it the caller still has work before the client may see
     the end (a session save: the next turn must find this one).
     At most `keep_limit` bytes are kept (then `kept_overflow`, nothing kept);
-    an event over `max_event_bytes` ends the stream (`event_too_large`). With
-    `guard_chunks_only`, the guard only looks at chat/completion chunk streams
-    (a pass-through path whose format is only known from its first event).
+    an event over `max_event_bytes` ends the stream (`event_too_large`).
+    `prefix`: bytes of the stream the caller already read (to learn its format).
     """
     if client is None:
         client = web.StreamResponse(status=200, headers=headers)
@@ -205,6 +204,8 @@ async def relay_stream(
         # ---- until the first event: failures can still be HTTP errors.
         region = b""
         try:
+            if prefix:
+                region = framer.feed(prefix)
             async with asyncio.timeout_at(first_byte_deadline):
                 while not region:
                     chunk = await content.readany()
@@ -231,8 +232,6 @@ async def relay_stream(
                 result.detail = "backend closed the stream before sending anything"
                 return await _fail(pump, result, 502, "upstream_truncated")
         result.first_event_at = loop.time()
-        if guard is not None and guard_chunks_only and not is_chunk_stream(region):
-            guard = None
         if region.startswith(b"data:"):
             first = region[5 : region.find(b"\n")].strip()
             if is_error_event(first):

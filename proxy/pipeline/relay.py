@@ -109,7 +109,7 @@ async def relay_events(
     t_call: float,
     *,
     keep: bool,
-    passthrough: bool = False,
+    prefix: bytes = b"",
 ) -> AttemptResult:
     rt = rec.rt
     pol = rt.policy.server
@@ -133,7 +133,7 @@ async def relay_events(
         end_response=rec.session is None,
         max_event_bytes=pol.max_event_bytes,
         keep_limit=pol.max_kept_bytes,
-        guard_chunks_only=passthrough,
+        prefix=prefix,
     )
     return stream_attempt(rec, up, result, t_call)
 
