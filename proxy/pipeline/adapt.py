@@ -8,6 +8,7 @@ the request cannot fit any way (400 `context_length_exceeded`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -26,7 +27,9 @@ from proxy.trim import (
 from proxy.upstream import Upstream
 
 
-async def adapted(rec: RequestRecord, up: Upstream, inbox: Inbox) -> dict[str, Any]:
+async def adapted(
+    rec: RequestRecord, up: Upstream, inbox: Inbox, deadline: float
+) -> dict[str, Any]:
     cached = rec.adapted.get(up.name)
     if cached is not None:
         return cached
@@ -49,7 +52,7 @@ async def adapted(rec: RequestRecord, up: Upstream, inbox: Inbox) -> dict[str, A
                 out = dict(out or body)
                 out[key] = max(1, window // 2)
         if rec.chat:
-            trimmed = await trimmed_messages(rec, up, out or body, window, inbox)
+            trimmed = await trimmed_messages(rec, up, out or body, window, inbox, deadline)
             if trimmed is not None:
                 out = dict(out or body)
                 out["messages"] = trimmed
@@ -58,8 +61,8 @@ async def adapted(rec: RequestRecord, up: Upstream, inbox: Inbox) -> dict[str, A
     return result
 
 
-async def payload_for(rec: RequestRecord, up: Upstream, inbox: Inbox) -> bytes:
-    body = await adapted(rec, up, inbox)
+async def payload_for(rec: RequestRecord, up: Upstream, inbox: Inbox, deadline: float) -> bytes:
+    body = await adapted(rec, up, inbox, deadline)
     # Unchanged bodies go upstream as the client sent them.
     if body is rec.body and not rec.body_changed:
         return rec.raw
@@ -67,9 +70,15 @@ async def payload_for(rec: RequestRecord, up: Upstream, inbox: Inbox) -> bytes:
 
 
 async def trimmed_messages(
-    rec: RequestRecord, up: Upstream, body: dict[str, Any], window: int, inbox: Inbox
+    rec: RequestRecord,
+    up: Upstream,
+    body: dict[str, Any],
+    window: int,
+    inbox: Inbox,
+    deadline: float,
 ) -> list[dict[str, Any]] | None:
-    """Messages fitted to `window` (None: nothing to drop)."""
+    """Messages fitted to `window` (None: nothing to drop). Counting runs
+    under `deadline` (TimeoutError past it)."""
     tp = rec.rt.policy.sessions.trimming
     if rec.session is None and not tp.trim_stateless:
         return None
@@ -83,26 +92,9 @@ async def trimmed_messages(
     )
     if budget > 0 and surely_fits(messages, int(budget * tp.high_water)):
         return None  # the common case: no tokenizer call at all
-    counter = rec.rt.counter_for(up)
-    estimated = False
-    res: TrimResult
     try:
-        try:
-            res = await trim(
-                messages, budget, counter, high_water=tp.high_water, low_water=tp.low_water
-            )
-        except TokenCountError as exc:
-            # The backend cannot count: an estimate (which errs on the large
-            # side) — and the window check below holds for it too.
-            inbox.token_estimate(up, str(exc))
-            estimated = True
-            res = await trim(
-                messages,
-                budget,
-                EstimateTokenCounter(),
-                high_water=tp.high_water,
-                low_water=tp.low_water,
-            )
+        async with asyncio.timeout_at(deadline):
+            res = await _trim(rec, up, messages, budget, inbox)
     except ContextTooLong as exc:
         answer = mt if isinstance(mt, int) else tp.default_max_tokens
         if exc.prompt_tokens + answer <= window:
@@ -118,9 +110,33 @@ async def trimmed_messages(
             "context_length_exceeded",
             "messages",
         ) from None
-    if res.estimated and not estimated:
-        inbox.token_estimate(up)
     if not res.trimmed:
         return None
     inbox.trimmed(up, res.dropped_turns)
     return [dict(m) for m in res.messages]
+
+
+async def _trim(
+    rec: RequestRecord, up: Upstream, messages: list[dict[str, Any]], budget: int, inbox: Inbox
+) -> TrimResult:
+    """Trim with the backend's counter, or an estimate when it cannot count
+    (ContextTooLong from either is the caller's)."""
+    tp = rec.rt.policy.sessions.trimming
+    counter = rec.rt.counter_for(up)
+    try:
+        res = await trim(
+            messages, budget, counter, high_water=tp.high_water, low_water=tp.low_water
+        )
+    except TokenCountError as exc:
+        # The backend cannot count: an estimate, which errs on the large side.
+        inbox.token_estimate(up, str(exc))
+        return await trim(
+            messages,
+            budget,
+            EstimateTokenCounter(),
+            high_water=tp.high_water,
+            low_water=tp.low_water,
+        )
+    if res.estimated:
+        inbox.token_estimate(up)
+    return res

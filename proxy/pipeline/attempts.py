@@ -8,7 +8,6 @@ whether to try again is decided in one place, `next_step`.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 from proxy.admission import Rejected
@@ -97,8 +96,7 @@ async def _attempt(
         url = up.chat_url if rec.chat else up.completions_url
         method = "POST"
         try:
-            async with asyncio.timeout_at(deadline):
-                payload = await payload_for(rec, up, inbox)
+            payload = await payload_for(rec, up, inbox, deadline)
         except TimeoutError:
             # Not the backend's fault (no fault): the request took too long to prepare.
             return failed(

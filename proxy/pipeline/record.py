@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from aiohttp import web
 
@@ -33,8 +33,9 @@ AttemptKind = Literal[
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class AttemptResult:
+class AttemptResult(NamedTuple):
+    """Immutable (a NamedTuple: built in well under a microsecond, on the hot path)."""
+
     kind: AttemptKind
     backend: str
     status: int  # what the client saw, or would see if this is the last attempt
@@ -59,8 +60,7 @@ class AttemptResult:
     stream: StreamResult | None = None  # a stream that died mid-answer: for the rescue
 
 
-@dataclass(frozen=True, slots=True)
-class Terminal:
+class Terminal(NamedTuple):
     """How the request ended: one per request, on every path."""
 
     backend: str

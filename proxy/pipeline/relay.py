@@ -9,7 +9,6 @@ happened travels back in the result.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -165,8 +164,7 @@ def stream_attempt(
         assert response is not None
         if result.status in RETRYABLE_STATUS:
             body = response.body if isinstance(response.body, bytes) else b""
-            return replace(
-                base,
+            return base._replace(
                 kind="failed",
                 status=result.status,
                 response=None,
@@ -174,15 +172,15 @@ def stream_attempt(
                 body=body,
             )
         # The backend's own 4xx error event, before any answer: passed on as is.
-        return replace(base, kind="answered", status=result.status, response=response, healthy=True)
+        return base._replace(kind="answered", status=result.status, response=response, healthy=True)
     if outcome == "complete":
         answer = None
         if rec.session is not None and rec.chat:
             answer = streamed_answer(result.regions, "chat")
         ttft = (result.first_event_at or t_call) - t_call
-        return replace(base, kind="answered", healthy=True, ttft=ttft, answer=answer)
+        return base._replace(kind="answered", healthy=True, ttft=ttft, answer=answer)
     if outcome == "client_disconnect":
-        return replace(base, kind="client_gone")
+        return base._replace(kind="client_gone")
     if outcome == "guard_trip":
-        return replace(base, fault="invalid_output", trip=result.trip, stream=result)
-    return replace(base, fault=outcome, stream=result)
+        return base._replace(fault="invalid_output", trip=result.trip, stream=result)
+    return base._replace(fault=outcome, stream=result)

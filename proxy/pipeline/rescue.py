@@ -9,10 +9,8 @@ choices), pass-through paths, answers longer than `server.max_kept_bytes`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-from dataclasses import replace
 
 import aiohttp
 import structlog
@@ -102,10 +100,9 @@ async def _rescue_on(
         note = f": brownout-rescue from={up.name} to={fb.name} reason={sr.outcome}\n\n"
         await client.write(note.encode())
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        return replace(result, kind="client_gone", outcome="client_disconnect", stream=None)
+        return result._replace(kind="client_gone", outcome="client_disconnect", stream=None)
     try:
-        async with asyncio.timeout_at(deadline):
-            fitted = await adapted(rec, fb, inbox)
+        fitted = await adapted(rec, fb, inbox, deadline)
     except (TimeoutError, RequestRejected) as exc:
         log.warning("stream_rescue_impossible", request_id=rec.rid, reason=str(exc))
         inbox.rescue("failed")
@@ -152,7 +149,7 @@ async def _rescue_on(
     elif more.regions is None:
         sr.regions = None
     fb_result = stream_attempt(rec, fb, more, t_call)
-    inbox.attempt(fb, replace(fb_result, stream=None))
+    inbox.attempt(fb, fb_result._replace(stream=None))
     events = sr.events
     if more.outcome == "complete":
         inbox.rescue("rescued")
@@ -160,8 +157,7 @@ async def _rescue_on(
         answer = None
         if rec.session is not None and rec.chat and sr.regions is not None:
             answer = streamed_answer(sr.regions, "chat")
-        return replace(
-            result,
+        return result._replace(
             kind="answered",
             outcome="complete",
             detail=f"rescued on {fb.name} after {sr.detail or up.name + ' failed'}",
@@ -170,13 +166,12 @@ async def _rescue_on(
             stream=None,
         )
     if more.outcome == "client_disconnect":
-        return replace(
-            result, kind="client_gone", outcome="client_disconnect", events=events, stream=None
+        return result._replace(
+            kind="client_gone", outcome="client_disconnect", events=events, stream=None
         )
     inbox.rescue("failed")
     await end_with_error(more)
-    return replace(
-        result,
+    return result._replace(
         outcome=more.outcome,
         detail=f"rescue on {fb.name} failed: {more.detail}",
         events=events,
