@@ -70,6 +70,12 @@ class ServerPolicy:
     )
     watch_interval_s: float = knob(2.0, "How often the policy file is checked when watched.")
 
+    def __post_init__(self) -> None:
+        if self.max_event_bytes < 1024:
+            raise ValueError("max_event_bytes must be >= 1024")
+        if self.max_kept_bytes < 0:
+            raise ValueError("max_kept_bytes must be >= 0")
+
 
 @dataclass(frozen=True, slots=True)
 class TimeoutPolicy:

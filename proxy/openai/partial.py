@@ -91,6 +91,19 @@ def streamed_answer(regions: Sequence[bytes] | None, endpoint: str) -> str | Non
     return partial_text(regions, endpoint)[0]
 
 
+def answer_from_body(body: bytes) -> str | None:
+    """Choice 0's text of a finished non-streaming chat answer, else None."""
+    try:
+        choice = _choice0(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
+    if choice is None or not choice.get("finish_reason"):
+        return None
+    message = choice.get("message")
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, str) else None
+
+
 def continuation_body(
     body: dict[str, Any], partial: str, produced: int, endpoint: str
 ) -> dict[str, Any]:

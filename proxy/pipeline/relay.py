@@ -13,9 +13,8 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from proxy.conversation import answer_from_body
 from proxy.errors import JSON_CT, error_body
-from proxy.openai.partial import streamed_answer
+from proxy.openai.partial import answer_from_body, streamed_answer
 from proxy.pipeline.call import failed, upstream_error_body
 from proxy.pipeline.pump import StreamResult, relay_stream
 from proxy.pipeline.record import AttemptResult, RequestRecord
@@ -33,7 +32,7 @@ def _fault(status: int) -> str:
 
 
 async def relay_body(
-    rec: RequestRecord, up: Upstream, resp: aiohttp.ClientResponse, *, passthrough: bool = False
+    rec: RequestRecord, up: Upstream, resp: aiohttp.ClientResponse
 ) -> AttemptResult:
     t_upstream = rec.loop.time()
     try:
@@ -56,7 +55,7 @@ async def relay_body(
         )
     headers = rec.headers(up.name)
     guard = rec.rt.guard
-    if status == 200 and guard is not None and not passthrough:
+    if status == 200 and guard is not None:
         trip = guard.check_body(body)
         if trip is not None:
             out = web.Response(
@@ -74,16 +73,11 @@ async def relay_body(
                 fault="invalid_output",
                 trip=trip,
             )
-    if passthrough:
-        for k in PASSTHROUGH_HEADERS:
-            if k in resp.headers:
-                headers[k] = resp.headers[k]
-    else:
-        ctype = resp.headers.get("Content-Type", JSON_CT)
-        if status >= 400:
-            body = upstream_error_body(status, body)
-            ctype = JSON_CT
-        headers["Content-Type"] = ctype
+    ctype = resp.headers.get("Content-Type", JSON_CT)
+    if status >= 400:
+        body = upstream_error_body(status, body)
+        ctype = JSON_CT
+    headers["Content-Type"] = ctype
     answer = None
     if status == 200 and rec.session is not None and rec.chat:
         answer = answer_from_body(body)
