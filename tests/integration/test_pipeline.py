@@ -140,6 +140,8 @@ async def test_every_path_ends_with_one_metric_update_and_one_log_line(
         what = body["messages"][-1]["content"]
         if what == "fail":
             return web.json_response({"error": {"message": "bad", "code": 400}}, status=400)
+        if what == "crash":
+            return web.json_response({"error": {"message": "engine", "code": 500}}, status=500)
         if what == "hold":
             resp = web.StreamResponse(headers=SSE)
             await resp.prepare(request)
@@ -164,20 +166,23 @@ async def test_every_path_ends_with_one_metric_update_and_one_log_line(
         async with proxy.session.post(proxy.url + CHAT, json=body("fail")) as r:
             assert r.status == 400
             await r.read()
+        async with proxy.session.post(proxy.url + CHAT, json=body("crash")) as r:
+            assert r.status == 500  # no other backend: the upstream's own error
+            assert (await r.json())["error"]["message"] == "engine"
         held = await proxy.session.post(proxy.url + CHAT, json=body("hold"))
         await held.content.readany()
         async with proxy.session.post(proxy.url + CHAT, json=body("hi")) as r:
             assert r.status == 429  # shed: the one slot is taken
             await r.read()
         held.close()  # the client leaves mid-answer
-        await wait_until(lambda: len(request_lines(logs)) == 4)
+        await wait_until(lambda: len(request_lines(logs)) == 5)
         gate.set()
     outcomes = [e["outcome"] for e in request_lines(logs)]
     assert sorted(outcomes) == sorted(
-        ["complete", "complete", "shed_queue_full", "client_disconnect"]
+        ["complete", "complete", "error", "shed_queue_full", "client_disconnect"]
     )
     m = await metrics(proxy)
-    assert total(m, "brownout_requests_total") - before == 4
+    assert total(m, "brownout_requests_total") - before == 5
     assert total(m, "brownout_client_disconnects_total", backend="primary") == 1
 
 
