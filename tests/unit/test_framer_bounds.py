@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.sse import EventTooLarge, SSEFramer
 
@@ -41,3 +43,41 @@ def test_an_event_boundary_split_across_reads_is_found() -> None:
     assert framer.feed(b"\ndata: b\n") == b"data: a\n\n"
     assert framer.feed(b"\n") == b"data: b\n\n"
     assert framer.pending == 0
+
+
+def _reference(chunks: list[bytes]) -> list[bytes]:
+    """The framer before the bound (re-joins its buffer per read): the output
+    the new one must reproduce, region for region."""
+    buf, cr, out = b"", False, []
+    for chunk in chunks:
+        if cr:
+            chunk, cr = b"\r" + chunk, False
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):
+                chunk, cr = chunk[:-1], True
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf += chunk
+        end = buf.rfind(b"\n\n")
+        if end >= 0:
+            out.append(buf[: end + 2])
+            buf = buf[end + 2 :]
+        else:
+            out.append(b"")
+    rest = buf.rstrip(b"\n")
+    out.append(rest + b"\n\n" if rest else b"")
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(
+        st.lists(
+            st.sampled_from([b"data: x", b"\n", b"\r", b"\r\n", b": c", b"yy"]), max_size=8
+        ).map(b"".join),
+        max_size=30,
+    )
+)
+def test_regions_match_the_unbounded_framer(parts: list[bytes]) -> None:
+    framer = SSEFramer()
+    got = [framer.feed(p) for p in parts] + [framer.flush()]
+    assert got == _reference(parts)
