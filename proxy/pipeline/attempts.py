@@ -3,7 +3,9 @@
 One attempt on one backend is admission (the primary, when throttling) →
 adapt → backend call → relay with the guard; a stream that dies mid-answer
 then goes to the rescue step. Each attempt's result goes to the inbox once;
-whether to try again is decided in one place, `next_step`.
+whether to try again is decided in one place, `next_step` (where the
+retry discipline of issue 14 — same-backend retries within a budget, never
+after a timeout, 4xx semantics — is meant to go; the loop only acts on it).
 """
 
 from __future__ import annotations
@@ -55,9 +57,7 @@ async def run_attempts(
             if result.kind == "ended" and result.stream is not None:
                 result = await rescue_or_end(rec, up, result, inbox)
         finally:
-            if up.breaker.outcomes == before:
-                # No outcome (shed, client gone): a half-open trial slot goes back.
-                up.breaker.release_trial()
+            inbox.settle(up, before)
         if next_step(result) == "return":
             return result
         last = result

@@ -53,6 +53,12 @@ class Inbox:
                 return
         rt.report_success(up)
 
+    def settle(self, up: Upstream, outcomes_before: int) -> None:
+        """An attempt on `up` is over: if it reported nothing (shed, client
+        gone, an exception), a half-open breaker's trial slot goes back."""
+        if up.breaker.outcomes == outcomes_before:
+            up.breaker.release_trial()
+
     def failure(self, up: Upstream, kind: str, detail: str = "") -> None:
         self.rt.report_failure(up, kind, detail)
 

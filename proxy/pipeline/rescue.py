@@ -63,8 +63,7 @@ async def rescue_or_end(
             try:
                 rescued = await _rescue_on(rec, fb, up, result, sr, inbox)
             finally:
-                if fb.breaker.outcomes == before:
-                    fb.breaker.release_trial()
+                inbox.settle(fb, before)
             if rescued is not None:
                 return rescued
     await end_with_error(sr)
