@@ -104,8 +104,18 @@ async def _internal_error(
     message = f"internal error in the proxy ({type(exc).__name__})"
     client = rec.client
     if client is not None and client.prepared:
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
-            await client.write(error_events(message, "server_error", "internal_error"))
+        if rec.endpoint == "passthrough" and not client.headers.get("Content-Type", "").startswith(
+            "text/event-stream"
+        ):
+            # A body of unknown format under way: cut it rather than end it.
+            transport = rec.request.transport
+            if transport is not None:
+                transport.close()
+        else:
+            with contextlib.suppress(
+                ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError
+            ):
+                await client.write(error_events(message, "server_error", "internal_error"))
         term = Terminal(rec.backend, 200, "internal_error", message, stream_error="internal_error")
         return client, term
     response = error_response(
