@@ -359,7 +359,9 @@ class RemoteTokenCounter:
         try:
             async with (
                 self._parallel,
-                self._session.post(self._url, json=body, timeout=self._timeout) as resp,
+                self._session.post(
+                    self._url, json=body, timeout=self._timeout, allow_redirects=False
+                ) as resp,
             ):
                 if resp.status != 200:
                     text = (await resp.text())[:200]

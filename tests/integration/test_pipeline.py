@@ -637,3 +637,22 @@ async def test_dropped_malformed_events_are_aggregated_per_request(
     assert note["rule"] == "malformed" and note["count"] == 1000
     m = await metrics(proxy)
     assert total(m, "brownout_guard_notes_total", rule="malformed") == 1000
+
+
+async def test_health_probes_never_follow_a_redirect(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    async def moved(request: web.Request) -> web.Response:
+        return web.Response(status=307, headers={"Location": "/elsewhere"})
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    fake_upstream.handlers["/health"] = moved
+    fake_upstream.handlers["/elsewhere"] = elsewhere
+    proxy = await start_proxy(policy(fake_upstream.url))
+    health = proxy.app[STATE].current.upstreams["primary"].health
+    await wait_until(lambda: health.last_probe_at is not None)
+    assert health.healthy is False
+    assert health.last_error == "health returned HTTP 307"
+    assert [p for p, _, _ in fake_upstream.requests if p == "/elsewhere"] == []
