@@ -18,29 +18,17 @@ each leaves nothing unchecked.
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, cast
 
-# A JSON string literal after its key; group 1 is its raw (escaped) contents.
-LITERAL: Final = rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"'
-CONTENT_RE: Final = re.compile(rb'"content":' + LITERAL)
-TEXT_RE: Final = re.compile(rb'"text":' + LITERAL)
+from proxy.openai.chunks import CONTENT_RE, TEXT_RE, single_choice_events
 
 # Below this a region is a few events: the plain searches are as cheap.
 MIN_RUN_BYTES: Final = 2048
 # Envelopes that vary per chunk (e.g. usage on every chunk) never form runs;
 # stop trying after this many failed attempts to learn one.
 MAX_LEARN_FAILURES: Final = 4
-
-
-def single_choice_events(region: bytes) -> bool:
-    """Every event of `region` is one `data:` line of a chunk with one choice,
-    index 0 (`"choices":[{"index":0,` and no other `"index"` key): k such
-    events need k of each marker and 2k newlines. Three C scans."""
-    k = region.count(b'"choices":[{"index":0,') or region.count(b'"choices": [{"index": 0, ')
-    return bool(k) and region.count(b'"index":') == k and region.count(b"\n") == 2 * k
 
 
 @dataclass(frozen=True, slots=True)

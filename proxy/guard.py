@@ -53,7 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
-from proxy.chunkrun import CONTENT_RE, TEXT_RE, Run, single_choice_events
+from proxy.chunkrun import Run
+from proxy.openai.chunks import CONTENT_RE, TEXT_RE, single_choice_events
 from proxy.policy import GuardPolicy
 from proxy.sse import DONE, DONE_EVENT, SSEParser, error_events
 
@@ -270,14 +271,14 @@ def _copy_choice(c: _Choice) -> _Choice:
 
 
 _Snapshot: TypeAlias = tuple[
-    _Choice, "dict[int, _Choice] | None", int, int, "re.Pattern[bytes] | None"
+    _Choice, "dict[int, _Choice] | None", int, int, int, "re.Pattern[bytes] | None"
 ]
 
 
 class StreamGuard:
     """The guard's state for one streamed response; feed it every region."""
 
-    __slots__ = ("_c0", "_choices", "_content_re", "_g", "_muted", "notes")
+    __slots__ = ("_c0", "_choices", "_content_re", "_g", "_muted", "dropped", "notes")
 
     def __init__(self, guard: Guard) -> None:
         self._g = guard
@@ -286,8 +287,11 @@ class StreamGuard:
         self._content_re: re.Pattern[bytes] | None = None
         self._muted = 0
         self.notes: list[Trip] = []
-        """Trips that did not stop the stream (`log` rules, dropped events); the
-        relay drains it."""
+        """Trips that did not stop the stream (`log` rules, the first dropped
+        event); the relay drains it."""
+        self.dropped = 0
+        """Malformed events dropped (noted once, counted here: a stream of bad
+        events costs a counter, not a note and a log line each)."""
 
     def feed(self, region: bytes, run: Run | None = None) -> GuardVerdict:
         """Check one region of whole events; see the module docstring.
@@ -327,11 +331,12 @@ class StreamGuard:
             None if choices is None else {k: _copy_choice(c) for k, c in choices.items()},
             self._muted,
             len(self.notes),
+            self.dropped,
             self._content_re,
         )
 
     def _restore(self, snap: _Snapshot) -> None:
-        self._c0, self._choices, self._muted, n, self._content_re = snap
+        self._c0, self._choices, self._muted, n, self.dropped, self._content_re = snap
         del self.notes[n:]
 
     def _feed(self, region: bytes) -> GuardVerdict:
@@ -483,7 +488,9 @@ class StreamGuard:
             if isinstance(texts, str) and texts != _ERROR_OBJECT and g.malformed_on:
                 if g.malformed_abort:
                     return _malformed(texts, data)
-                self.notes.append(_malformed(texts, data, dropped=True))
+                if not self.dropped:
+                    self.notes.append(_malformed(texts, data, dropped=True))
+                self.dropped += 1
                 dropped = True
                 continue
             kept.append(ev.raw)

@@ -1,23 +1,23 @@
 """HTTP handlers: the pass-through, operational and admin endpoints.
 
-Completions are `proxy.ingress.completions`; the route table, auth and
-error answers are `proxy.ingress`.
+Completions are `proxy.ingress.completions`, every other /v1/* call
+`serve_passthrough`: both go through `proxy.pipeline` (ladder, retries,
+rescue, maintenance). The route table, auth and error answers are
+`proxy.ingress`; the rest are operational and admin endpoints.
 """
 
 from __future__ import annotations
 
-import asyncio
-
-import aiohttp
 import structlog
 from aiohttp import web
 
 from proxy.errors import error_response
-from proxy.forward import upstream_headers
 from proxy.ingress.body import read_body
-from proxy.ingress.context import REQUEST_ID
+from proxy.ingress.context import REQUEST_ID, STARTED_AT
 from proxy.keys import STATE
 from proxy.ladder import TIERS
+from proxy.openai.auth import bearer_token
+from proxy.pipeline import serve_passthrough
 from proxy.runtime import Runtime
 from proxy.validate import parse_json_object
 
@@ -29,53 +29,19 @@ def _response_headers(rt: Runtime, rid: str, backend: str) -> dict[str, str]:
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Any other /v1/* call (models, embeddings, ...): relayed as is, to the
-    first backend that can be reached."""
+    """Any other /v1/* call (models, embeddings, responses, ...): through the
+    pipeline (admission, breakers, tier routing, maintenance), body unchanged."""
     rt = request.app[STATE].current
     rid = request[REQUEST_ID]
-    base = {"X-Request-Id": rid, "X-Brownout-Tier": rt.tier}
     # (auth and path checks: proxy.ingress.middleware; refusals raise RequestRejected)
     raw = await read_body(request, rt.policy.server.max_body_bytes, rt.policy.server.body_timeout_s)
-    last_error = "no backend configured"
-    _dest, candidates = rt.route()
-    for up in candidates or list(rt.upstreams.values()):
-        headers = upstream_headers(request, up, rid)
-        try:
-            async with asyncio.timeout(up.policy.timeouts.first_byte_s):
-                resp = await up.session.request(
-                    request.method,
-                    up.url_for(request.rel_url.raw_path_qs),
-                    data=raw or None,
-                    headers=headers,
-                )
-        except aiohttp.ClientConnectorError as exc:
-            last_error = f"{up.name} backend unreachable: {exc.os_error.strerror or exc}"
-            continue
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return error_response(
-                504 if isinstance(exc, TimeoutError) else 502,
-                f"backend request failed: {type(exc).__name__}",
-                type_="server_error",
-                code="upstream_error",
-                headers=_response_headers(rt, rid, up.name),
-            )
-        try:
-            out = web.StreamResponse(
-                status=resp.status, headers=_response_headers(rt, rid, up.name)
-            )
-            for k in ("Content-Type", "Content-Encoding"):
-                if k in resp.headers:
-                    out.headers[k] = resp.headers[k]
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            rt.count_request(up.name, "passthrough", resp.status)
-            return out
-        finally:
-            resp.close()
-    return error_response(
-        502, last_error, type_="server_error", code="upstream_unreachable", headers=base
-    )
+    api_key = bearer_token(request.headers.get("Authorization"))
+    priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
+    rt.inflight += 1
+    try:
+        return await serve_passthrough(request, rt, raw, rid, request[STARTED_AT], priority)
+    finally:
+        rt.inflight -= 1
 
 
 async def healthz(request: web.Request) -> web.Response:

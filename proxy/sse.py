@@ -106,6 +106,18 @@ class SSEParser:
         return len(self._buf)
 
 
+class EventTooLarge(Exception):
+    """An event grew past the framer's bound without its blank line."""
+
+    def __init__(self, pending: int, limit: int) -> None:
+        super().__init__(f"a stream event exceeded {limit} bytes without ending ({pending} so far)")
+        self.pending = pending
+        self.limit = limit
+
+
+MAX_EVENT_BYTES = 1 << 20
+
+
 class SSEFramer:
     """Cuts a byte stream at event boundaries without looking inside events.
 
@@ -114,13 +126,21 @@ class SSEFramer:
     incomplete tail waits for the next read. Line endings are normalised to
     LF like the parser does, so byte searches on the region can rely on
     `\n` line starts.
+
+    An incomplete event is kept as a list of pieces and joined once, when its
+    blank line arrives: linear in its size. One that grows past
+    `max_event_bytes` raises `EventTooLarge` (a stream of one endless event
+    would otherwise hold memory and reset every idle watchdog forever).
     """
 
-    __slots__ = ("_buf", "_cr_pending")
+    __slots__ = ("_cr_pending", "_last_nl", "_limit", "_parts", "_pending")
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._parts: list[bytes] = []
+        self._pending = 0
+        self._last_nl = False  # the pending bytes end in "\n"
         self._cr_pending = False
+        self._limit = max_event_bytes
 
     def feed(self, chunk: bytes) -> bytes:
         if self._cr_pending:
@@ -131,25 +151,52 @@ class SSEFramer:
                 chunk = chunk[:-1]
                 self._cr_pending = True
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        buf = self._buf + chunk if self._buf else chunk
+        if not chunk:
+            return b""
+        parts = self._parts
+        if parts:
+            if chunk.find(b"\n\n") < 0 and not (self._last_nl and chunk[:1] == b"\n"):
+                # Still no end of event: keep the piece, join nothing.
+                parts.append(chunk)
+                self._pending += len(chunk)
+                self._last_nl = chunk[-1:] == b"\n"
+                if self._pending > self._limit:
+                    raise EventTooLarge(self._pending, self._limit)
+                return b""
+            parts.append(chunk)
+            buf = b"".join(parts)
+            parts.clear()
+        else:
+            buf = chunk
         end = buf.rfind(b"\n\n")
         if end < 0:
-            self._buf = buf
-            return b""
-        end += 2
-        self._buf = buf[end:]
-        return buf[:end] if self._buf else buf
+            rest = buf
+            out = b""
+        else:
+            end += 2
+            rest = buf[end:]
+            out = buf[:end] if rest else buf
+        if rest:
+            parts.append(rest)
+            self._last_nl = rest[-1:] == b"\n"
+            if len(rest) > self._limit:
+                self._pending = len(rest)
+                raise EventTooLarge(len(rest), self._limit)
+        self._pending = len(rest)
+        return out
 
     def flush(self) -> bytes:
         """A final event that lacked its blank line, completed; or b""."""
-        rest = self._buf.rstrip(b"\n")
-        self._buf = b""
+        rest = b"".join(self._parts).rstrip(b"\n")
+        self._parts.clear()
+        self._pending = 0
+        self._last_nl = False
         self._cr_pending = False
         return rest + b"\n\n" if rest else b""
 
     @property
     def pending(self) -> int:
-        return len(self._buf)
+        return self._pending
 
 
 def find_line(region: bytes, prefix: bytes, start: int = 0) -> int:

@@ -142,16 +142,16 @@ class EstimateTokenCounter:
     def is_estimate(self) -> bool:
         return True
 
-    def _one(self, m: Message) -> int:
+    def one(self, m: Message) -> int:
         role = str(m.get("role", ""))
         chars = _content_chars(m) + len(role)
         return math.ceil(chars / self._chars_per_token) + self._per_message
 
     async def count_messages(self, messages: Sequence[Message]) -> list[int]:
-        return [self._one(m) for m in messages]
+        return [self.one(m) for m in messages]
 
     async def count_prompt(self, messages: Sequence[Message]) -> int:
-        return sum(self._one(m) for m in messages) + self._per_prompt
+        return sum(self.one(m) for m in messages) + self._per_prompt
 
 
 class _CountCache:
@@ -170,17 +170,33 @@ class _CountCache:
         self,
         messages: Sequence[Message],
         compute: Callable[[list[Message]], Awaitable[list[int]]],
+        *,
+        limit: int | None = None,
+        estimate: Callable[[Message], int] | None = None,
     ) -> list[int]:
-        """Counts of `messages`, calling `compute` once for the ones not cached."""
+        """Counts of `messages`, calling `compute` once for the ones not cached.
+
+        With `limit`, only the newest `limit` uncached messages are computed;
+        older ones get `estimate` (not cached: a later request counts them)."""
         keys = [self.key(m) for m in messages]
         missing = {k: m for k, m in zip(keys, messages, strict=True) if k not in self._counts}
+        guessed: dict[bytes, int] = {}
         if missing:
-            computed = await compute(list(missing.values()))
-            self._counts.update(zip(missing, computed, strict=True))
+            items = list(missing.items())
+            if limit is not None and estimate is not None and len(items) > limit:
+                cut = len(items) - limit
+                guessed = {k: estimate(m) for k, m in items[:cut]}
+                items = items[cut:]
+            computed = await compute([m for _, m in items])
+            self._counts.update(zip((k for k, _ in items), computed, strict=True))
         out = []
+        counts = self._counts
         for k in keys:
-            out.append(self._counts[k])
-            self._counts.move_to_end(k)
+            if k in guessed:
+                out.append(guessed[k])
+                continue
+            out.append(counts[k])
+            counts.move_to_end(k)
         while len(self._counts) > self._size:
             self._counts.popitem(last=False)
         return out
@@ -271,6 +287,10 @@ class RemoteTokenCounter:
     {"count", "max_model_len", "tokens"}. Per-message counts are cached (a
     session's history is the same from one request to the next, so only new
     messages cost a call) and fetched concurrently, `max_parallel` at a time.
+    At most `max_calls` messages are counted per request (the newest: the
+    ones a trim keeps); older uncached ones are estimated, so a request of
+    100,000 messages costs a bounded few calls. The kept prompt's own count
+    (`count_prompt`) is always exact.
     """
 
     def __init__(
@@ -282,6 +302,7 @@ class RemoteTokenCounter:
         timeout_s: float = 2.0,
         max_parallel: int = 8,
         cache_size: int = 4096,
+        max_calls: int = 16,
     ) -> None:
         self._session = session
         self._url = base_url.rstrip("/") + "/tokenize"
@@ -289,6 +310,8 @@ class RemoteTokenCounter:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._parallel = asyncio.Semaphore(max_parallel)
         self._cache = _CountCache(cache_size)
+        self._max_calls = max_calls
+        self._estimate = EstimateTokenCounter()
         self.max_model_len: int | None = None  # as reported by the last answer
 
     @property
@@ -304,7 +327,9 @@ class RemoteTokenCounter:
         try:
             async with (
                 self._parallel,
-                self._session.post(self._url, json=body, timeout=self._timeout) as resp,
+                self._session.post(
+                    self._url, json=body, timeout=self._timeout, allow_redirects=False
+                ) as resp,
             ):
                 if resp.status != 200:
                     text = (await resp.text())[:200]
@@ -324,7 +349,9 @@ class RemoteTokenCounter:
         async def compute(missing: list[Message]) -> list[int]:
             return list(await asyncio.gather(*(self._tokenize([m], False) for m in missing)))
 
-        return await self._cache.counts(messages, compute)
+        return await self._cache.counts(
+            messages, compute, limit=self._max_calls, estimate=self._estimate.one
+        )
 
     async def count_prompt(self, messages: Sequence[Message]) -> int:
         return await self._tokenize(messages, True)
@@ -371,6 +398,11 @@ def _split(messages: Sequence[Message]) -> tuple[int, int, list[tuple[int, int]]
         starts.insert(0, head)
     groups = [(s, e) for s, e in zip(starts, [*starts[1:], tail], strict=True) if s < e]
     return head, tail, groups
+
+
+# Exact recounts of the kept prompt after the first, at most (each is a
+# tokenizer call or a /tokenize round trip).
+_MAX_RECOUNTS = 3
 
 
 def _replay_cut(
@@ -431,7 +463,8 @@ async def trim(
     Counter calls: `count_messages` once and `count_prompt` once (twice when
     turns are dropped: the kept prompt is counted exactly), plus a recount
     only when the per-message sums under-estimated the kept prompt (chat
-    templates that add text once per prompt, e.g. a default system prompt).
+    templates that add text once per prompt, e.g. a default system prompt) —
+    at most three; the third keeps only the head and the question.
     The result always fits in `budget_tokens` by the counter's count.
 
     Raises ContextTooLong when the kept parts alone exceed the budget, and
@@ -468,6 +501,7 @@ async def trim(
     tokens = total if cut == 0 else await counter.count_prompt(kept)
     # The per-message estimate can be short of the real count: drop enough
     # further turns to cover the excess and count again (rare; see docstring).
+    recounts = 0
     while tokens > budget_tokens:
         if cut >= len(groups):
             raise ContextTooLong(tokens, budget_tokens, kept)
@@ -475,6 +509,9 @@ async def trim(
         while cut < len(groups) and freed < tokens - budget_tokens:
             freed += turn_tokens[cut]
             cut += 1
+        recounts += 1
+        if recounts >= _MAX_RECOUNTS:
+            cut = len(groups)  # the estimates are far off: keep only what must stay
         kept = assemble(cut)
         tokens = await counter.count_prompt(kept)
     return TrimResult(

@@ -110,7 +110,9 @@ class Upstream:
         err: str | None = None
         definitive = False
         try:
-            async with self.session.get(self.health_url, timeout=timeout) as resp:
+            async with self.session.get(
+                self.health_url, timeout=timeout, allow_redirects=False
+            ) as resp:
                 await resp.read()
                 if resp.status != 200:
                     err = f"health returned HTTP {resp.status}"
@@ -138,7 +140,7 @@ class Upstream:
         fallback server both report `max_model_len`)."""
         try:
             async with self.session.get(
-                self.models_url, timeout=aiohttp.ClientTimeout(total=2)
+                self.models_url, timeout=aiohttp.ClientTimeout(total=2), allow_redirects=False
             ) as resp:
                 if resp.status != 200:
                     return
@@ -171,6 +173,7 @@ class Upstream:
                 json=body,
                 headers={"Authorization": self.auth_header} if self.auth_header else None,
                 timeout=aiohttp.ClientTimeout(total=self.policy.timeouts.first_byte_s),
+                allow_redirects=False,
             ) as resp:
                 await resp.read()
                 if resp.status != 200:

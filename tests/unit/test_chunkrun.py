@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from proxy.chunkrun import ChunkRuns
 from proxy.guard import Guard
+from proxy.openai.chunks import markers
 from proxy.policy import GuardPolicy
-from proxy.relay import markers
 
 DONE = b"data: [DONE]\n\n"
 GUARD = Guard(GuardPolicy())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -24,17 +23,19 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from proxy.chunkrun import ChunkRuns, Run
+from proxy.chunkrun import ChunkRuns
 from proxy.guard import StreamGuard, Trip
+from proxy.openai.chunks import error_status, is_error_event, markers
 from proxy.openai.errors import error_body
 from proxy.openai.headers import STREAM_ONLY
 from proxy.sse import (
     DONE_EVENT,
     HEARTBEAT,
+    MAX_EVENT_BYTES,
+    EventTooLarge,
     SSEFramer,
     error_events,
     error_payload,
-    find_line,
     json_event,
 )
 
@@ -47,55 +48,8 @@ Outcome = Literal[
     "first_byte_timeout",
     "upstream_disconnect",
     "client_disconnect",
+    "event_too_large",  # an event outgrew server.max_event_bytes
 ]
-
-
-def has_finish_reason(data: bytes) -> bool:
-    """True when a chunk carries a non-null finish_reason (vLLM sends `null` on
-    every other chunk, so the key alone is not enough). Inside a JSON string
-    the quotes would be escaped, so token text cannot match."""
-    return b'"finish_reason":"' in data or b'"finish_reason": "' in data
-
-
-def markers(region: bytes, run: Run | None = None) -> tuple[int, int, bool, int]:
-    """(events, first error event, any finish_reason, [DONE]) of a region of
-    whole events, positions -1 if none. A run of plain text chunks holds none
-    of the markers, so only the events around it are searched."""
-    if run is None:
-        return _search(region, 0)
-    events, err_at, finished, done_at = _search(region[: run.start], 0)
-    if err_at < 0 and done_at < 0:
-        more, err_at, fin, done_at = _search(region[run.end :], run.end)
-        events += more
-        finished = finished or fin
-    return events + len(run.literals), err_at, finished, done_at
-
-
-def _search(region: bytes, offset: int) -> tuple[int, int, bool, int]:
-    err_at = find_line(region, b'data: {"error"')
-    done_at = find_line(region, b"data: [DONE]")
-    return (
-        region.count(b"\n\n"),
-        err_at + offset if err_at >= 0 else -1,
-        has_finish_reason(region),
-        done_at + offset if done_at >= 0 else -1,
-    )
-
-
-def is_error_event(data: bytes) -> bool:
-    return data[:12].replace(b" ", b"").startswith(b'{"error"')
-
-
-def error_status(data: bytes) -> tuple[int, bytes]:
-    """HTTP status and JSON body for an error event that arrived before any
-    answer bytes: the event's own `code` when it is an HTTP status."""
-    try:
-        obj = json.loads(data)
-        code = obj["error"].get("code")
-    except (ValueError, KeyError, AttributeError, TypeError):
-        return 502, error_body("upstream sent a malformed error event", "server_error", 502)
-    status = code if isinstance(code, int) and 400 <= code <= 599 else 502
-    return status, data
 
 
 @dataclass(slots=True)
@@ -114,6 +68,7 @@ class StreamResult:
     error_event: bytes = b""  # the upstream's own error event, when it sent one
     regions: list[bytes] | None = None  # what was forwarded, when asked to keep it
     trip: Trip | None = None  # why the guard stopped the stream
+    kept_overflow: bool = False  # more than keep_limit bytes: regions were let go
 
     @property
     def started(self) -> bool:
@@ -217,6 +172,9 @@ async def relay_stream(
     keep: bool = False,
     guard: StreamGuard | None = None,
     end_response: bool = True,
+    max_event_bytes: int = MAX_EVENT_BYTES,
+    keep_limit: int = 1 << 62,
+    prefix: bytes = b"",
 ) -> StreamResult:
     """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
 
@@ -231,22 +189,28 @@ async def relay_stream(
     With `end_response`, a complete answer also ends the HTTP response (one
     send); without it the caller still has work before the client may see
     the end (a session save: the next turn must find this one).
+    At most `keep_limit` bytes are kept (then `kept_overflow`, nothing kept);
+    an event over `max_event_bytes` ends the stream (`event_too_large`).
+    `prefix`: bytes of the stream the caller already read (to learn its format).
     """
     if client is None:
         client = web.StreamResponse(status=200, headers=headers)
     pump = _Pump(request, upstream, client, heartbeat_s, idle_s)
     loop = pump.loop
-    framer = SSEFramer()
+    framer = SSEFramer(max_event_bytes)
     runs = ChunkRuns()
     result = StreamResult("truncated", 200, client=client)
     if keep:
         result.regions = []
     kept = result.regions
+    kept_bytes = 0
     content = upstream.content
     try:
         # ---- until the first event: failures can still be HTTP errors.
         region = b""
         try:
+            if prefix:
+                region = framer.feed(prefix)
             async with asyncio.timeout_at(first_byte_deadline):
                 while not region:
                     chunk = await content.readany()
@@ -257,6 +221,15 @@ async def relay_stream(
             result.outcome = "first_byte_timeout"
             result.detail = "no answer from the backend before the first-byte deadline"
             return await _fail(pump, result, 504, "upstream_timeout")
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            # Nothing reached the client yet: an HTTP error the caller may retry.
+            result.outcome = "upstream_disconnect"
+            result.detail = f"backend connection lost before the answer ({type(exc).__name__})"
+            return await _fail(pump, result, 502, "upstream_disconnect")
+        except EventTooLarge as exc:
+            result.outcome = "event_too_large"
+            result.detail = f"backend stream: {exc}"
+            return await _fail(pump, result, 502, "upstream_event_too_large")
         if not region:
             region = framer.flush()
             if not region:
@@ -346,6 +319,11 @@ async def relay_stream(
                 await write(region)
                 if kept is not None:
                     kept.append(region)
+                    kept_bytes += len(region)
+                    if kept_bytes > keep_limit:
+                        kept.clear()
+                        kept = result.regions = None
+                        result.kept_overflow = True
             region = b""
             while not region:
                 try:
@@ -375,7 +353,13 @@ async def relay_stream(
                         result.code = "upstream_truncated"
                     return result
                 pump.last_activity = loop.time()
-                region = framer.feed(chunk)
+                try:
+                    region = framer.feed(chunk)
+                except EventTooLarge as exc:
+                    result.outcome = "event_too_large"
+                    result.detail = f"backend stream: {exc}"
+                    result.code = "upstream_event_too_large"
+                    return result
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         result.outcome = "client_disconnect"
         return result
