@@ -23,7 +23,7 @@ from proxy.fallback.admission import Admission
 from proxy.fallback.engine import Engine, ModelLoadError
 from proxy.fallback.metrics import FallbackMetrics
 from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, WORKERS, Settings
-from proxy.fallback.workers import Workers
+from proxy.fallback.workers import ThreadEngine
 from proxy.logs import configure_logging
 
 log = structlog.get_logger("brownout.fallback")
@@ -41,7 +41,7 @@ def create_app(engine: Engine, settings: Settings) -> web.Application:
     app[ENGINE] = engine
     app[ADMISSION] = admission
     app[METRICS] = FallbackMetrics(settings.served_model_name, admission)
-    app[WORKERS] = Workers(engine, settings.max_concurrency)
+    app[WORKERS] = ThreadEngine(engine, settings.max_concurrency)
     app.on_shutdown.append(_cancel_generations)
     app.cleanup_ctx.append(_close_workers)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
