@@ -90,7 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     fb.add_argument("--port", type=int, default=8001)
     fb.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     fb.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    fb.add_argument("--max-concurrency", type=int, default=1)
+    fb.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "batched", "threads"],
+        help="batched: Transformers continuous batching; threads: one generate() per slot; "
+        "auto: batched on cuda, threads on cpu",
+    )
+    fb.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="generations at once (default: from the device's free memory and the model's KV size)",
+    )
     fb.add_argument("--max-queue", type=int, default=8)
     fb.add_argument("--served-model-name", default=None)
     fb.add_argument("--max-model-len", type=int, default=None)

@@ -101,6 +101,15 @@ class Engine:
             pad if pad is not None else min(self.eos_token_ids, default=None)
         )
 
+    @property
+    def model(self) -> Any:
+        """The loaded model (for an engine that drives it itself)."""
+        return self._model
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad_token_id
+
     # --- loading ---------------------------------------------------------------------------
 
     @classmethod
