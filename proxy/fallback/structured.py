@@ -79,7 +79,8 @@ class Structured:
                 raise _schema_error("tools", exc) from exc
         fmt = output.response_format
         if fmt.kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
+            # OpenAI's JSON mode answers an object, not any JSON value.
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if fmt.kind == "json_schema":
             try:
                 return self._compiler.compile_json_schema(

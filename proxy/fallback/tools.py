@@ -126,7 +126,17 @@ def parse_tool_calls(text: str, tool_use: ToolUse) -> tuple[str | None, tuple[To
     names = {t.name for t in tool_use.tools}
     calls: list[ToolCall] = []
     for match in _BLOCK.finditer(text, start):
-        call = _parse_block(match.group(1).strip(), names)
+        body = match.group(1).strip()
+        if match.end() == len(text):  # the last block may end in a cut-off close tag
+            body = next(
+                (
+                    body[: -len(CLOSE[:k])]
+                    for k in range(len(CLOSE), 0, -1)
+                    if body.endswith(CLOSE[:k])
+                ),
+                body,
+            ).strip()
+        call = _parse_block(body, names)
         if call is None:
             return text, ()
         calls.append(call)
