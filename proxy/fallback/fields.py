@@ -39,6 +39,8 @@ _HONOURED: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "seed": _BOTH,
         "logprobs": _BOTH,
         "logit_bias": _BOTH,
+        "presence_penalty": _BOTH,
+        "frequency_penalty": _BOTH,
         "response_format": _BOTH,
         "messages": ("chat",),
         "max_completion_tokens": ("chat",),
@@ -83,8 +85,6 @@ _REJECTED: Mapping[str, tuple[object, ...]] = MappingProxyType(
         "best_of": (1,),
         "echo": (False,),
         "suffix": ("",),
-        "frequency_penalty": (0,),
-        "presence_penalty": (0,),
         "audio": (),
         "modalities": (["text"],),
         "functions": ([],),
@@ -192,6 +192,9 @@ def check_capabilities(
             )
     if output.logit_bias and not caps.logits_processors:
         raise unsupported("logit_bias", f"Not supported by the {caps.engine} engine.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(output, name) != 0.0 and not caps.logits_processors:
+            raise unsupported(name, f"'{name}' is not supported by the {caps.engine} engine.")
     if sampling.repetition_penalty != 1.0 and not caps.repetition_penalty:
         raise unsupported("repetition_penalty", f"Not supported by the {caps.engine} engine.")
     if sampling.min_tokens > 0 and not caps.min_tokens:
@@ -206,6 +209,8 @@ def advertise(caps: Capabilities, *, grammar: bool) -> dict[str, Any]:
         "logprobs": caps.logprobs,
         "top_logprobs": caps.logprobs,
         "logit_bias": caps.logits_processors,
+        "presence_penalty": caps.logits_processors,
+        "frequency_penalty": caps.logits_processors,
         "repetition_penalty": caps.repetition_penalty,
         "min_tokens": caps.min_tokens,
     }
@@ -228,6 +233,7 @@ def advertise(caps: Capabilities, *, grammar: bool) -> dict[str, Any]:
         "tool_choice": ["none", "auto", "required", "function"] if structured else ["none", "auto"],
         "parallel_tool_calls": True,
         "logit_bias": caps.logits_processors,
+        "penalties": caps.logits_processors,  # presence_penalty, frequency_penalty
         "repetition_penalty": caps.repetition_penalty,
         "min_tokens": caps.min_tokens,
         "chat_completions": fields("chat"),

@@ -259,7 +259,7 @@ def _prepare_chat(
         raise invalid(f"Cannot apply the chat template: {exc}", "messages") from exc
     # The template carries its own special tokens (BOS), as in vLLM.
     ids = engine.encode(text, add_special_tokens=req.add_special_tokens)
-    return ids, support.processors(req.output)
+    return ids, support.processors(req.output, len(ids))
 
 
 def _prepare_completion(
@@ -275,4 +275,4 @@ def _prepare_completion(
             )
     if not ids:
         raise invalid("The prompt is empty.", "prompt")
-    return ids, support.processors(req.output)
+    return ids, support.processors(req.output, len(ids))

@@ -155,6 +155,8 @@ def _parse_output(b: Body, endpoint: Endpoint) -> Output:
         response_format=_parse_response_format(b),
         tool_use=parse_tool_use(b) if endpoint == "chat" else Output().tool_use,
         logit_bias=_parse_logit_bias(b),
+        presence_penalty=b.float_("presence_penalty", min_value=-2.0, max_value=2.0) or 0.0,
+        frequency_penalty=b.float_("frequency_penalty", min_value=-2.0, max_value=2.0) or 0.0,
     )
     if output.tool_use.constrained and output.response_format.kind != "text":
         raise invalid("A forced tool call and 'response_format' cannot be combined.", "tool_choice")

@@ -115,6 +115,8 @@ class Output:
     response_format: ResponseFormat = ResponseFormat()
     tool_use: ToolUse = ToolUse()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def needs_grammar(self) -> bool:
@@ -122,7 +124,11 @@ class Output:
 
     @property
     def needs_logits_processors(self) -> bool:
-        return self.needs_grammar or bool(self.logit_bias)
+        return self.needs_grammar or bool(self.logit_bias) or self.has_penalties
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)

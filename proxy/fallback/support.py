@@ -72,6 +72,24 @@ class LogitBias(LogitsProcessor):
         return scores
 
 
+class Penalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties, over the generated tokens only (as vLLM)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self._prompt_len = prompt_len
+        self._presence = presence
+        self._frequency = frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self._prompt_len :]
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, generated, torch.ones(generated.shape, dtype=scores.dtype, device=scores.device)
+        )
+        return scores - self._frequency * counts - self._presence * (counts > 0).to(scores.dtype)
+
+
 class TokenTable:
     """Token id → (text, raw bytes), for OpenAI's logprobs `token` and `bytes`."""
 
@@ -108,9 +126,13 @@ class ApiSupport:
     def grammar(self) -> bool:
         return self.structured is not None
 
-    def processors(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
+    def processors(self, output: Output, prompt_len: int) -> tuple[LogitsProcessorFactory, ...]:
         """Per-generation logits processors for `output`; on the tokenizer thread."""
         factories: list[LogitsProcessorFactory] = []
+        if output.has_penalties:
+            factories.append(
+                partial(Penalties, prompt_len, output.presence_penalty, output.frequency_penalty)
+            )
         if output.logit_bias:
             too_big = [i for i, _ in output.logit_bias if i >= self.vocab_size]
             if too_big:

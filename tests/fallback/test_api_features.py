@@ -327,3 +327,18 @@ def test_logit_bias_forces_a_token(server: FallbackServer, client: openai.OpenAI
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert completion.choices[0].message.content == " the" * 4
+
+
+def test_presence_penalty_breaks_greedy_repetition(
+    server: FallbackServer, client: openai.OpenAI
+) -> None:
+    def tokens(**extra: Any) -> list[str]:
+        completion = _chat(
+            client, server, max_tokens=24, temperature=0, logprobs=True,
+            extra_body={"ignore_eos": True}, **extra,
+        )  # fmt: skip
+        return [e.token for e in completion.choices[0].logprobs.content]
+
+    free, penalised = tokens(), tokens(presence_penalty=2.0, frequency_penalty=2.0)
+    assert penalised != free
+    assert len(set(penalised)) > len(set(free))  # fewer repeats

@@ -216,6 +216,7 @@ EXERCISES: dict[str, Exercise] = {
     "tool_choice": _tool_choice,
     "parallel_tool_calls": _parallel,
     "logit_bias": _flag("logit_bias", logit_bias={"5": 1}),
+    "penalties": _flag("presence_penalty", presence_penalty=0.5, frequency_penalty=0.5),
     "repetition_penalty": _flag("repetition_penalty", repetition_penalty=1.2),
     "min_tokens": _flag("min_tokens", min_tokens=2),
     "chat_completions": _fields("chat_completions"),
