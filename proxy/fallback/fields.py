@@ -70,6 +70,7 @@ _IGNORED: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "service_tier": _BOTH,
         "prompt_cache_key": _BOTH,
         "prompt_cache_retention": _BOTH,
+        "prompt_cache_options": _BOTH,
         "safety_identifier": _BOTH,
         "request_id": _BOTH,
         "priority": _BOTH,  # one FIFO queue here
@@ -92,6 +93,7 @@ _REJECTED: Mapping[str, tuple[object, ...]] = MappingProxyType(
         "reasoning_effort": (),
         "verbosity": (),
         "web_search_options": (),
+        "moderation": (),  # nothing here moderates input or output
         "use_beam_search": (False,),
         "length_penalty": (1,),
         "min_p": (0,),
