@@ -13,7 +13,8 @@ from typing import Any
 import openai
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.fallback.conftest import FallbackServer
+from tests.fallback.conftest import FallbackServer, RawStream, long_stream_body
+from tests.harness.procs import http_json
 
 ASK: tuple[ChatCompletionMessageParam, ...] = (
     {"role": "user", "content": "What is the weather in Paris?"},
@@ -342,3 +343,36 @@ def test_presence_penalty_breaks_greedy_repetition(
     free, penalised = tokens(), tokens(presence_penalty=2.0, frequency_penalty=2.0)
     assert penalised != free
     assert len(set(penalised)) > len(set(free))  # fewer repeats
+
+
+def test_disconnect_during_the_second_choice_frees_the_slot(server: FallbackServer) -> None:
+    body = long_stream_body(server.served_model_name) | {"n": 2, "max_tokens": 300}
+    stream = RawStream(server, "/v1/chat/completions", body)
+    try:
+        for event in stream.events():
+            if '"index":1' in event:
+                break
+        else:
+            raise AssertionError("the second choice never started")
+        assert server.metric("vllm:num_requests_running") == 1
+    finally:
+        stream.close()
+    server.wait_metric("vllm:num_requests_running", 0, timeout=5)
+    # The admission slot came back too: the next request is served, not queued forever.
+    status, answer = http_json(
+        "POST", server.url + "/v1/chat/completions", {"messages": list(ASK), "max_tokens": 2},
+        timeout=10,
+    )  # fmt: skip
+    assert status == 200, answer
+    assert server.metric("vllm:num_requests_waiting") == 0
+
+
+def test_completions_honour_n_and_response_format(server: FallbackServer) -> None:
+    status, body = server.post(
+        "/v1/completions",
+        {"prompt": "Answer:", "n": 2, "seed": 5, "max_tokens": 30, "response_format": YES_NO},
+    )
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for choice in body["choices"]:
+        assert json.loads(choice["text"]) in ({"answer": "yes"}, {"answer": "no"})
