@@ -102,7 +102,7 @@ def _parse_logprobs(b: Body, endpoint: Endpoint) -> int | None:
         return b.int_("logprobs", min_value=0, max_value=_MAX_TOP_LOGPROBS)
     wanted = b.bool_("logprobs", False)
     top = b.int_("top_logprobs", min_value=0, max_value=_MAX_TOP_LOGPROBS)
-    if top is not None and not wanted:
+    if top and not wanted:  # 0 without logprobs is harmless
         raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     return (top or 0) if wanted else None
 
