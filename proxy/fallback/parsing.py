@@ -91,7 +91,23 @@ def _parse_stream(b: Body) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(options, dict):
         raise wrong_type("stream_options", "an object", options)
-    return stream, Body(options).bool_("include_usage", False)
+    opts = Body(options)
+    # include_obfuscation only pads chunks against side channels: harmless to leave out.
+    if opts.bool_("continuous_usage_stats", False):
+        raise unsupported(
+            "stream_options.continuous_usage_stats", "Usage in every chunk is not supported."
+        )
+    unknown = sorted(
+        set(options) - {"include_usage", "include_obfuscation", "continuous_usage_stats"}
+    )
+    if unknown:
+        raise APIError(
+            400,
+            f"Unrecognized request argument supplied: stream_options.{unknown[0]}",
+            param=f"stream_options.{unknown[0]}",
+            code="unknown_parameter",
+        )
+    return stream, opts.bool_("include_usage", False)
 
 
 # --- output: n, logprobs, response_format, tools, logit_bias -----------------------------

@@ -47,12 +47,18 @@ def tool_call_schema(tool_use: ToolUse) -> dict[str, Any]:
     return {"anyOf": [_call_schema(t) for t in tools]}
 
 
+_CACHE_BYTES = 64 * 1024 * 1024
+
+
 class Structured:
     """xgrammar for one model's vocabulary."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+        # Compiled grammars are cached by schema; bounded, as clients may send many.
+        self._compiler = xgr.GrammarCompiler(
+            self._info, max_threads=1, cache_limit_bytes=_CACHE_BYTES
+        )
         self.vocab_size = vocab_size
         #: Each token id's raw bytes (what OpenAI's logprobs `bytes` are).
         self.token_bytes: tuple[bytes, ...] = tuple(self._info.decoded_vocab)

@@ -59,6 +59,7 @@ def test_malformed_json(server: FallbackServer, path: str, payload: bytes) -> No
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_type"),
         ({"stream_options": True}, "stream_options", "invalid_type"),
+        ({"stream_options": {"include_usage": 1}}, "include_usage", "invalid_type"),
     ],
 )
 def test_wrong_types_and_values(
@@ -83,6 +84,10 @@ def test_wrong_types_and_values(
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
         (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content[0].type",
         ),
@@ -92,7 +97,7 @@ def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], p
     status, body = server.post("/v1/chat/completions", {"messages": HELLO, **extra})
     assert status == 400, body
     _assert_error(body, param=param, code="unsupported_parameter")
-    assert param.split("[")[0] in body["error"]["message"] or param.startswith("messages")
+    assert param in body["error"]["message"]
 
 
 @pytest.mark.parametrize(
