@@ -120,6 +120,8 @@ def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], p
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
+        # A grammar ends on the end token, which ignore_eos would forbid.
+        ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
     ],
 )
