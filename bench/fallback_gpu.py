@@ -448,8 +448,8 @@ def main() -> int:
     p.add_argument("--threads-max-streams", type=int, default=32)
     p.add_argument(
         "--only",
-        default="batched,server,old,threads,defaults,graphs",
-        help="rows to run, in this order (server engines: old, threads, batched; "
+        default="batched,graphs,defaults,old,threads,nographs,server",
+        help="rows to run, in this order (server engines: old, threads, batched, nographs; "
         "in-process generate_batch: defaults, server, graphs)",
     )
     p.add_argument("--budget-s", type=float, default=540, help="start no level after this")
@@ -477,14 +477,19 @@ def main() -> int:
             args.threads_max_streams,
         ),
         "batched": ServerConfig(
-            "`fallback-server` default on cuda (`--engine auto` = batched)",
+            "`fallback-server` default on cuda (`--engine auto` = batched, CUDA graphs)",
             ("--engine", "auto" if args.device == "cuda" else "batched", *queue),
+            max(levels),
+        ),
+        "nographs": ServerConfig(
+            "`fallback-server --engine batched --cuda-graphs off`",
+            ("--engine", "batched", "--cuda-graphs", "off", *queue),
             max(levels),
         ),
     }
     wanted = args.only.split(",")
     done: dict[str, Row] = {}
-    order = ["old", "threads", "batched", *INPROC_VARIANTS]
+    order = ["old", "threads", "nographs", "batched", *INPROC_VARIANTS]
 
     def write() -> None:
         rows = [done[k] for k in order if k in done]

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "auto: batched on cuda, threads on cpu",
     )
     fb.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="batched engine: capture CUDA graphs (auto: on with --device cuda)",
+    )
+    fb.add_argument(
         "--max-concurrency",
         type=int,
         default=None,

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import structlog
@@ -104,6 +105,14 @@ def settings_from_args(
     )
 
 
+def _cuda_graphs(args: argparse.Namespace, engine: Engine) -> bool | None:
+    """`--cuda-graphs`: auto = on for a CUDA device (measured ~5x the steps per second)."""
+    choice = getattr(args, "cuda_graphs", "auto")
+    if choice == "auto":
+        return True if engine.device.type == "cuda" else None
+    return choice == "on"
+
+
 def _first(*values: int | None) -> int:
     return next(v for v in values if v is not None)
 
@@ -133,6 +142,7 @@ def build_generator(args: argparse.Namespace, engine: Engine) -> tuple[Settings,
             kv_tokens=planned.kv_tokens,
             max_model_len=settings.max_model_len,
             max_batch_tokens=planned.max_batch_tokens,
+            use_cuda_graph=_cuda_graphs(args, engine),
         )
     else:
         generator = ThreadEngine(engine, planned.max_running, kv_token_budget=planned.kv_tokens)
@@ -164,6 +174,16 @@ async def serve(app: web.Application, host: str, port: int) -> None:
     log.info("stopped")
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (a default dependency): the per-token path runs on the loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 def _fail(message: str, code: int) -> int:
     log.error("startup_failed", error=message)
     print(f"brownout fallback-server: error: {message}", file=sys.stderr)
@@ -179,8 +199,13 @@ def main(args: argparse.Namespace) -> int:
     except (ModelLoadError, ValueError) as exc:
         return _fail(str(exc), 2)
     app = create_app(engine, settings, generator)
+    # Start-up built a large heap (torch, transformers, the tokenizer): keep the
+    # collector's full passes off it while serving.
+    gc.collect()
+    gc.freeze()
     try:
-        asyncio.run(serve(app, args.host, args.port))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(app, args.host, args.port))
     except OSError as exc:  # typically: the port is taken
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", 1)
     return 0
