@@ -55,6 +55,7 @@ class ServerConfig:
     label: str
     args: tuple[str, ...]
     max_streams: int  # higher levels are skipped (a thread per slot would take minutes)
+    switch_interval_ms: float | None = None  # the interpreter's GIL switch interval
 
 
 @dataclass
@@ -203,8 +204,13 @@ async def drive(base: str, streams: int, tokens: int) -> Level:
 def start_server(
     model: Path, config: ServerConfig, port: int, device: str, dtype: str, logf: Any
 ) -> subprocess.Popen[bytes]:
+    entry = ["-m", "proxy.cli"]
+    if config.switch_interval_ms is not None:
+        seconds = config.switch_interval_ms / 1000
+        code = f"import sys; sys.setswitchinterval({seconds}); from proxy.cli import main; "
+        entry = ["-c", code + "sys.argv[0] = 'brownout'; sys.exit(main())"]
     cmd = [
-        sys.executable, "-m", "proxy.cli", "fallback-server", "--model", str(model),
+        sys.executable, *entry, "fallback-server", "--model", str(model),
         "--port", str(port), "--device", device, "--dtype", dtype, *config.args,
     ]  # fmt: skip
     logf.write(f"\n===== {config.label}: {' '.join(cmd)}\n".encode())
@@ -505,6 +511,14 @@ def main() -> int:
         (args.out / "fallback-gpu.json").write_text(json.dumps(raw, indent=2) + "\n")
         print("\n" + md, flush=True)
 
+    # batched-si<ms>: the batched default with another GIL switch interval (default 5 ms).
+    for key in wanted:
+        if key.startswith("batched-si"):
+            ms = float(key.removeprefix("batched-si"))
+            base = configs["batched"]
+            label = f"{base.label}, GIL switch interval {ms:g} ms"
+            configs[key] = ServerConfig(label, base.args, base.max_streams, ms)
+            order.insert(order.index("batched") + 1, key)
     inproc = [k for k in wanted if k in INPROC_VARIANTS]
     for key in wanted:
         if key in configs:

@@ -10,6 +10,7 @@ every stream has produced a token and none has finished), never on timing.
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,29 @@ def test_metrics_keep_vllm_names_fed_by_the_engine(server: FallbackServer) -> No
         assert 0.0 < server.metric("vllm:kv_cache_usage_perc", model_name=name) <= 1.0
     finally:
         stream.close()
+
+
+def test_batched_over_capacity_503_then_sigterm_ends_streams_in_band(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    args = ["--engine", "batched", "--max-concurrency", "1", "--max-queue", "0"]
+    server = start_server(tiny_model_dir, tmp_path / "server.log", args)
+    try:
+        stream = RawStream(server, "/v1/chat/completions", _long_stream(server.served_model_name))
+        _first_content(stream)
+        status, body = server.post(
+            "/v1/chat/completions", {"messages": STORY, "max_tokens": 4, "temperature": 0}
+        )
+        assert status == 503
+        assert body["error"]["code"] == "overloaded"
+        server.proc.send_signal(signal.SIGTERM)
+        rest = list(stream.events())
+        stream.close()
+        assert server.proc.wait(timeout=15) == 0
+    finally:
+        if server.proc.poll() is None:
+            stop_server(server)
+    assert rest[-1] == "[DONE]"
+    last = json.loads(rest[-2])
+    assert last["error"]["code"] == 503
+    assert "shutting down" in last["error"]["message"]
