@@ -36,7 +36,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from proxy.fallback import cbsampler
-from proxy.fallback.engine import Engine, TokenText
+from proxy.fallback.engine import Engine
 from proxy.fallback.interface import (
     Capabilities,
     Delta,
@@ -50,6 +50,7 @@ from proxy.fallback.interface import (
     Outcome,
 )
 from proxy.fallback.protocol import SamplingParams
+from proxy.fallback.tokentext import TokenText
 from proxy.fallback.workers import TokenizerPool
 
 log = structlog.get_logger("brownout.fallback.batched")
