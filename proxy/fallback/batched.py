@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import queue
 from collections.abc import Callable, Sequence
@@ -140,6 +141,9 @@ class BatchedEngine:
             max_batch_tokens=max_batch_tokens,
             use_cuda_graph=use_cuda_graph,
         )
+        # The library logs its sizing decisions at INFO in its own plain-text format,
+        # between the server's JSON lines; warnings and errors still show.
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
         model = engine.model
         self._manager: Any = model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
