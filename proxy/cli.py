@@ -209,11 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights dtype",
     )
     fb.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "batched", "threads"],
+        help="batched: Transformers continuous batching; threads: one generate() per slot; "
+        "auto: batched on cuda, threads on cpu",
+    )
+    fb.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="batched engine: capture CUDA graphs (auto: on with --device cuda)",
+    )
+    fb.add_argument(
         "--max-concurrency",
         metavar="N",
         type=int,
-        default=1,
-        help="generations running at the same time",
+        default=None,
+        help="generations running at the same time (default: from the device's free memory "
+        "and the model's KV size)",
     )
     fb.add_argument(
         "--max-queue",
