@@ -84,7 +84,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_reload(args: argparse.Namespace) -> int:
-    from proxy.adminclient import render, request_reload
+    from proxy.ops.adminclient import render, request_reload
 
     token = args.token if args.token is not None else os.environ.get("BROWNOUT_ADMIN_TOKEN")
     rc, out, err = render(request_reload(args.url, token, args.timeout))

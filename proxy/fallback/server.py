@@ -27,7 +27,7 @@ from proxy.fallback.metrics import FallbackMetrics
 from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, WORKERS, Settings
 from proxy.fallback.support import API_SUPPORT, ApiSupport
 from proxy.fallback.workers import ThreadEngine
-from proxy.logs import configure_logging
+from proxy.telemetry.logs import configure_logging
 
 log = structlog.get_logger("brownout.fallback")
 

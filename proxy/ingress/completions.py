@@ -15,17 +15,17 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from proxy.conversation import SessionContext
 from proxy.errors import RequestRejected
 from proxy.ingress.body import read_body
 from proxy.ingress.context import REQUEST_ID, STARTED_AT
-from proxy.keys import STATE
+from proxy.ingress.validate import Endpoint, parse_body
 from proxy.openai.auth import bearer_token
 from proxy.openai.messages import last_user_text
 from proxy.pipeline import serve_completion
-from proxy.runtime import Runtime
-from proxy.sessions import SessionIdError, session_key
-from proxy.validate import Endpoint, parse_body
+from proxy.runtime.generation import Runtime
+from proxy.runtime.keys import STATE
+from proxy.sessions.conversation import SessionContext
+from proxy.sessions.store import SessionIdError, session_key
 
 log = structlog.get_logger("brownout.request")
 

@@ -17,8 +17,8 @@ from typing import Literal
 
 from aiohttp import web
 
-from proxy import handlers
 from proxy.ingress.completions import chat_completions, completions
+from proxy.ops import handlers
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Auth = Literal["client", "admin", "none"]

@@ -1,6 +1,6 @@
 """Stream chunks on bytes: the markers the relay looks for, found without JSON.
 
-A region is whole SSE events with LF line ends (`proxy.sse.SSEFramer`). JSON
+A region is whole SSE events with LF line ends (`proxy.openai.sse.SSEFramer`). JSON
 payloads cannot hold a raw newline, so a marker found at a line start is a
 real SSE field, and a key found with its quotes is a real key (inside a JSON
 string every `"` is escaped).
@@ -12,10 +12,10 @@ import json
 import re
 from typing import TYPE_CHECKING, Final
 
-from proxy.sse import error_payload, find_line
+from proxy.openai.sse import error_payload, find_line
 
 if TYPE_CHECKING:
-    from proxy.chunkrun import Run
+    from proxy.openai.chunkrun import Run
 
 # A JSON string literal after its key; group 1 is its raw (escaped) contents.
 LITERAL: Final = rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"'

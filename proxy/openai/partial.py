@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from proxy.openai.chunks import CONTENT_RE, TEXT_RE, has_finish_reason
-from proxy.sse import DONE, SSEParser
+from proxy.openai.sse import DONE, SSEParser
 
 # The C scanner behind json.loads for one string literal (not in typeshed).
 _scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]

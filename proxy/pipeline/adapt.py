@@ -12,11 +12,12 @@ import asyncio
 import json
 from typing import Any
 
-from proxy.conversation import surely_fits
+from proxy.backends.upstream import Upstream
 from proxy.errors import RequestRejected
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import RequestRecord
-from proxy.trim import (
+from proxy.sessions.conversation import surely_fits
+from proxy.sessions.trim import (
     ContextTooLong,
     EstimateTokenCounter,
     TokenCountError,
@@ -24,7 +25,6 @@ from proxy.trim import (
     budget_tokens,
     trim,
 )
-from proxy.upstream import Upstream
 
 
 async def adapted(

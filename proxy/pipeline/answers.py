@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.admission import Rejected
+from proxy.control.admission import Rejected
+from proxy.control.maintenance import render_json, render_stream
 from proxy.errors import JSON_CT, error_response
-from proxy.maintenance import render_json, render_stream
 from proxy.openai.messages import question_text
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal

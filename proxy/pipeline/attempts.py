@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from proxy.admission import Rejected
+from proxy.backends.upstream import Upstream
+from proxy.control.admission import Rejected
 from proxy.errors import RequestRejected
 from proxy.pipeline.adapt import payload_for
 from proxy.pipeline.answers import shed
@@ -22,7 +23,6 @@ from proxy.pipeline.passthrough import relay_passthrough
 from proxy.pipeline.record import AttemptResult, RequestRecord
 from proxy.pipeline.relay import relay_body, relay_events
 from proxy.pipeline.rescue import can_rescue, rescue_or_end
-from proxy.upstream import Upstream
 
 Step = Literal["return", "next"]
 

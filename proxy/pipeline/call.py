@@ -14,10 +14,10 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy.backends.upstream import Upstream
 from proxy.ingress.headers import forward_headers
 from proxy.openai.errors import error_body
 from proxy.pipeline.record import AttemptResult, RequestRecord
-from proxy.upstream import Upstream
 
 
 def upstream_headers(rec: RequestRecord, up: Upstream, *, entity: bool = True) -> CIMultiDict[str]:

@@ -15,8 +15,8 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from proxy.conversation import SessionContext
 from proxy.errors import error_response
+from proxy.openai.sse import error_events
 from proxy.pipeline.answers import maintenance, passed_error, proxy_error
 from proxy.pipeline.attempts import run_attempts
 from proxy.pipeline.finish import finish, terminal_of
@@ -24,8 +24,8 @@ from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import RequestRecord, Terminal
 from proxy.pipeline.sessions import load_history, save_turn
 from proxy.policy import Priority
-from proxy.runtime import Runtime
-from proxy.sse import error_events
+from proxy.runtime.generation import Runtime
+from proxy.sessions.conversation import SessionContext
 
 log = structlog.get_logger("brownout.request")
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import structlog
 
-from proxy.breaker import Permit
+from proxy.backends.upstream import Upstream
+from proxy.control.breaker import Permit
 from proxy.pipeline.record import AttemptResult
-from proxy.runtime import Runtime
-from proxy.upstream import Upstream
+from proxy.runtime.generation import Runtime
 
 log = structlog.get_logger("brownout.request")
 

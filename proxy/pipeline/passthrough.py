@@ -17,12 +17,12 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from proxy.backends.upstream import Upstream
 from proxy.openai.chunks import is_chunk_stream
 from proxy.openai.errors import upstream_error_body
 from proxy.pipeline.call import failed
 from proxy.pipeline.record import AttemptResult, RequestRecord
 from proxy.pipeline.relay import PASSTHROUGH_HEADERS, RETRYABLE_STATUS, relay_events
-from proxy.upstream import Upstream
 
 # An error body read to pass it on is at most this long (an error, not an answer).
 _ERROR_BODY_MAX = 64 * 1024

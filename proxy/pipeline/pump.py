@@ -23,12 +23,12 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from proxy.chunkrun import ChunkRuns
-from proxy.guard import StreamGuard, Trip
+from proxy.guard.core import StreamGuard, Trip
+from proxy.openai.chunkrun import ChunkRuns
 from proxy.openai.chunks import error_status, is_error_event, markers
 from proxy.openai.errors import error_body
 from proxy.openai.headers import STREAM_ONLY
-from proxy.sse import (
+from proxy.openai.sse import (
     DONE_EVENT,
     HEARTBEAT,
     MAX_EVENT_BYTES,

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from aiohttp import web
 
-from proxy.conversation import SessionContext
 from proxy.policy import Priority
+from proxy.sessions.conversation import SessionContext
 
 if TYPE_CHECKING:
-    from proxy.guard import StreamGuard, Trip
+    from proxy.guard.core import StreamGuard, Trip
     from proxy.pipeline.pump import StreamResult
-    from proxy.runtime import Runtime
+    from proxy.runtime.generation import Runtime
 
 # What became of one attempt on one backend.
 AttemptKind = Literal[

@@ -13,13 +13,13 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
+from proxy.backends.upstream import Upstream
 from proxy.errors import JSON_CT, error_body
 from proxy.openai.errors import upstream_error_body
 from proxy.openai.partial import answer_from_body, streamed_answer
 from proxy.pipeline.call import failed
 from proxy.pipeline.pump import StreamResult, relay_stream
 from proxy.pipeline.record import AttemptResult, RequestRecord
-from proxy.upstream import Upstream
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

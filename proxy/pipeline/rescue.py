@@ -15,7 +15,8 @@ import json
 import aiohttp
 import structlog
 
-from proxy.breaker import Permit
+from proxy.backends.upstream import Upstream
+from proxy.control.breaker import Permit
 from proxy.errors import RequestRejected
 from proxy.openai.partial import (
     choices_requested,
@@ -29,7 +30,6 @@ from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.pump import StreamResult, end_with_error, relay_stream
 from proxy.pipeline.record import AttemptResult, RequestRecord
 from proxy.pipeline.relay import stream_attempt
-from proxy.upstream import Upstream
 
 log = structlog.get_logger("brownout.request")
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import structlog
 
-from proxy.conversation import make_turn, merge_history
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import RequestRecord
-from proxy.sessions import SessionStoreUnavailable
+from proxy.sessions.conversation import make_turn, merge_history
+from proxy.sessions.store import SessionStoreUnavailable
 
 log = structlog.get_logger("brownout.request")
 

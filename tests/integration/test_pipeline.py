@@ -20,10 +20,10 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.keys import STATE
+from proxy.openai.sse import SSEParser
 from proxy.policy import Policy, parse_policy
-from proxy.sessions import session_key
-from proxy.sse import SSEParser
+from proxy.runtime.keys import STATE
+from proxy.sessions.store import session_key
 from tests.integration.conftest import (
     CHAT_BODY,
     FakeUpstream,

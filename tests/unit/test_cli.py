@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from proxy import __version__
-from proxy.adminclient import ReloadOutcome, render
 from proxy.cli import EXIT_CODES, build_parser, main
+from proxy.ops.adminclient import ReloadOutcome, render
 
 ROOT = Path(__file__).resolve().parents[2]
 

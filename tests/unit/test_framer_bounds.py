@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.sse import EventTooLarge, SSEFramer
+from proxy.openai.sse import EventTooLarge, SSEFramer
 
 
 def test_an_event_over_the_bound_raises() -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from proxy.maintenance import Maintenance, render_json, render_stream
+from proxy.control.maintenance import Maintenance, render_json, render_stream
 from proxy.openai.partial import answer_from_body, continuation_body, partial_text
+from proxy.openai.sse import SSEParser
 from proxy.policy import FaqEntry, FaqPolicy, MaintenancePolicy
-from proxy.sse import SSEParser
 
 FAQ = FaqPolicy(
     entries=(

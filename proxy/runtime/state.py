@@ -35,15 +35,15 @@ from typing import Any
 
 import structlog
 
-from proxy.metrics import TIER_VALUES, Metrics
+from proxy.backends.upstream import Upstream, open_upstream
+from proxy.control.shared import SharedState
 from proxy.policy import Policy, PolicyError, load_policy, policy_diff, split_restart
 from proxy.policy.diff import RESTART_MARK
-from proxy.runtime import Runtime
-from proxy.sessions import SessionStore, make_store, store_identity
-from proxy.shared import SharedState
-from proxy.supervise import Body, Supervisor
-from proxy.trim import HFTokenCounter
-from proxy.upstream import Upstream, open_upstream
+from proxy.runtime.generation import Runtime
+from proxy.runtime.supervise import Body, Supervisor
+from proxy.sessions.store import SessionStore, make_store, store_identity
+from proxy.sessions.trim import HFTokenCounter
+from proxy.telemetry.metrics import TIER_VALUES, Metrics
 
 log = structlog.get_logger("brownout.policy")
 

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from proxy.logs import lines_dropped
+from proxy.telemetry.logs import lines_dropped
 
 # TTFT and durations of LLM calls span milliseconds (a cached prefix) to
 # minutes (a long generation), so the buckets do too.

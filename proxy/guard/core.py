@@ -38,7 +38,7 @@ region costs ≈2.3 µs and a 64-event region ≈0.6 µs per event, against
 ≈3.6 µs per event for `json.loads` alone.
 
 Bursts: when the relay finds a run of chunks sharing one envelope
-(`proxy.chunkrun`), `feed(region, run)` takes the run's text literals as they
+(`proxy.openai.chunkrun`), `feed(region, run)` takes the run's text literals as they
 are and only decodes them; the events around the run take the paths above.
 A 64 KB region of vLLM chunks then costs the guard ≈15 µs instead of ≈300 µs.
 """
@@ -53,10 +53,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
-from proxy.chunkrun import Run
+from proxy.openai.chunkrun import Run
 from proxy.openai.chunks import CONTENT_RE, TEXT_RE, single_choice_events
+from proxy.openai.sse import DONE, DONE_EVENT, SSEParser, error_events
 from proxy.policy import GuardPolicy
-from proxy.sse import DONE, DONE_EVENT, SSEParser, error_events
 
 RuleName = Literal[
     "control_chars", "replacement_chars", "special_tokens", "repetition", "malformed"
@@ -409,7 +409,7 @@ class StreamGuard:
     # -- runs ---------------------------------------------------------------------
 
     def _run(self, region: bytes, run: Run) -> GuardVerdict | None:
-        """A region holding a run of envelope chunks (`proxy.chunkrun`): the
+        """A region holding a run of envelope chunks (`proxy.openai.chunkrun`): the
         events around the run take the usual paths, the run only costs the
         decoding of its text. None when its literals do not decode."""
         parts = run.literals

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.sessions import Turn
+from proxy.sessions.store import Turn
 
 # A generous upper bound of template tokens per message (role markers,
 # separators): used only to decide that counting is unnecessary.

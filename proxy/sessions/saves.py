@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from proxy.sessions import SessionStore, SessionStoreUnavailable, SessionTurnRejected, Turn
+from proxy.sessions.store import SessionStore, SessionStoreUnavailable, SessionTurnRejected, Turn
 
 log = structlog.get_logger("brownout.sessions")
 

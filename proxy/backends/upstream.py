@@ -17,7 +17,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
-from proxy.breaker import BackendBreaker
+from proxy.control.breaker import BackendBreaker
 from proxy.policy import BackendPolicy, BreakerPolicy
 
 log = structlog.get_logger("brownout.upstream")

@@ -1,4 +1,4 @@
-"""Sessions in Redis (`sessions.store: redis://...`): see `proxy.sessions`
+"""Sessions in Redis (`sessions.store: redis://...`): see `proxy.sessions.store`
 for the interface and the key layout.
 
 Text is stored losslessly: a lone surrogate is written as its WTF-8 bytes
@@ -21,12 +21,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from proxy.policy import SessionsPolicy
-from proxy.redisbatch import ScriptBatcher
-from proxy.sessions import SessionStoreUnavailable, SessionTurnRejected, Turn
+from proxy.sessions.redisbatch import ScriptBatcher
+from proxy.sessions.store import SessionStoreUnavailable, SessionTurnRejected, Turn
 
 __all__ = ["RedisSessionStore", "encode_json"]
 
-log = logging.getLogger("proxy.sessions")
+log = logging.getLogger("proxy.sessions.store")
 
 Clock = Callable[[], float]
 
@@ -202,7 +202,7 @@ class RedisSessionStore:
         return result
 
     async def _script(self, op: str, keys: list[str], args: list[Any]) -> Any:
-        """A script call, batched with concurrent ones (`proxy.redisbatch`).
+        """A script call, batched with concurrent ones (`proxy.sessions.redisbatch`).
         Abandoning the plain future at the deadline is immediate."""
         try:
             result = await self._scripts.call(op, keys, args)  # fails at the deadline

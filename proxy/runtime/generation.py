@@ -19,21 +19,21 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from proxy.admission import Admission
-from proxy.breaker import STATE_VALUES, Permit
-from proxy.conversation import TurnIds
-from proxy.guard import Guard
-from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
-from proxy.maintenance import Maintenance
-from proxy.metrics import BackendMetrics, Metrics
+from proxy.backends.upstream import Upstream
+from proxy.control.admission import Admission
+from proxy.control.breaker import STATE_VALUES, Permit
+from proxy.control.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
+from proxy.control.maintenance import Maintenance
+from proxy.control.pressure import PressureMonitor, next_limit
+from proxy.control.shared import SharedState
+from proxy.guard.core import Guard
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
-from proxy.pressure import PressureMonitor, next_limit
-from proxy.saves import PendingSaves
-from proxy.sessions import MemorySessionStore, SessionStore
-from proxy.shared import SharedState
-from proxy.supervise import Supervisor
-from proxy.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
-from proxy.upstream import Upstream
+from proxy.runtime.supervise import Supervisor
+from proxy.sessions.conversation import TurnIds
+from proxy.sessions.saves import PendingSaves
+from proxy.sessions.store import MemorySessionStore, SessionStore
+from proxy.sessions.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
+from proxy.telemetry.metrics import BackendMetrics, Metrics
 
 log = structlog.get_logger("brownout.ladder")
 

@@ -2,7 +2,7 @@
 
 `wanted_loops(state)` names them for `ProxyState.run_loops`, which hands them
 to the app's `Supervisor` at start and after every reload (a loop that
-raises is logged, counted and run again; see `proxy.supervise`). Each loop
+raises is logged, counted and run again; see `proxy.runtime.supervise`). Each loop
 reads `state.current` at every turn, so a reload takes effect at its next one.
 
 The ladder's window never awaits network I/O: a recovery probe of an open
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from proxy.breaker import Permit
-from proxy.pressure import parse_vllm_metrics
-from proxy.supervise import Body, Sleep
-from proxy.upstream import Upstream
+from proxy.backends.upstream import Upstream
+from proxy.control.breaker import Permit
+from proxy.control.pressure import parse_vllm_metrics
+from proxy.runtime.supervise import Body, Sleep
 
 if TYPE_CHECKING:
-    from proxy.state import ProxyState
+    from proxy.runtime.state import ProxyState
 
 
 def wanted_loops(state: ProxyState) -> Mapping[str, Body]:

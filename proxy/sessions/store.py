@@ -26,10 +26,10 @@ seconds); its TTL (`ttl_s`) is refreshed by every load and append.
 
 Text is stored losslessly: a lone surrogate (the JSON escape `\\ud800`, legal
 in a request and in model output, not representable in UTF-8) is written as
-its WTF-8 bytes (`surrogatepass`; `proxy.redis_sessions.encode_json`) and read
+its WTF-8 bytes (`surrogatepass`; `proxy.sessions.redis_store.encode_json`) and read
 back as the same code point, so a turn is stored exactly as the client and
 the model produced it. Valid text is plain UTF-8, byte for byte. The Redis
-store lives in `proxy.redis_sessions`, loaded only when a policy names one.
+store lives in `proxy.sessions.redis_store`, loaded only when a policy names one.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def make_store(policy: SessionsPolicy, *, clock: Clock = time.time) -> SessionSt
             max_turns=policy.max_turns,
             clock=clock,
         )
-    from proxy.redis_sessions import RedisSessionStore  # redis is loaded only when used
+    from proxy.sessions.redis_store import RedisSessionStore  # redis is loaded only when used
 
     return RedisSessionStore.from_url(
         policy.store,

@@ -11,15 +11,15 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
+from proxy.control.ladder import TIERS
 from proxy.errors import error_response
 from proxy.ingress.body import read_body
 from proxy.ingress.context import REQUEST_ID, STARTED_AT
-from proxy.keys import STATE
-from proxy.ladder import TIERS
+from proxy.ingress.validate import parse_json_object
 from proxy.openai.auth import bearer_token
 from proxy.pipeline import serve_passthrough
-from proxy.runtime import Runtime
-from proxy.validate import parse_json_object
+from proxy.runtime.generation import Runtime
+from proxy.runtime.keys import STATE
 
 log = structlog.get_logger("brownout.request")
 

@@ -43,10 +43,10 @@ from typing import Any
 from aiohttp import web
 
 from proxy import __version__
-from proxy.keys import STATE
-from proxy.metrics import Metrics
 from proxy.openai.headers import SSE_HEADERS
-from proxy.state import ProxyState
+from proxy.runtime.keys import STATE
+from proxy.runtime.state import ProxyState
+from proxy.telemetry.metrics import Metrics
 
 _STATIC_PACKAGE = "proxy"
 _PAGE_PATH = ("static", "status.html")
