@@ -102,7 +102,10 @@ async def test_engine_death_recovery_and_maintenance(
                 stream = await client.chat.completions.create(
                     model="tiny",
                     messages=[{"role": "user", "content": f"Tell me story number {i}."}],
-                    max_tokens=1000,
+                    # Prompt + 900 + the trimming margin fit in max_model_len 1024, so no
+                    # /tokenize call is needed (at 1,000 a /tokenize slowed by the
+                    # loaded engine fell back to the estimate, which refused the request).
+                    max_tokens=900,
                     temperature=0,
                     stream=True,
                     extra_body={"ignore_eos": True},
