@@ -26,7 +26,7 @@ from proxy.control.ladder import TIERS, Destination, Ladder, Signals, Tier, Tran
 from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
 from proxy.control.shared import SharedState
-from proxy.guard.core import Guard
+from proxy.guard.compiled import Guard
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
 from proxy.runtime.supervise import Supervisor
 from proxy.sessions.conversation import TurnIds
