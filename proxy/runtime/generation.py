@@ -30,9 +30,9 @@ from proxy.guard.compiled import Guard
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
 from proxy.runtime.supervise import Supervisor
 from proxy.sessions.conversation import TurnIds
+from proxy.sessions.counters import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.sessions.saves import PendingSaves
 from proxy.sessions.store import MemorySessionStore, SessionStore
-from proxy.sessions.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.telemetry.metrics import BackendMetrics, Metrics
 
 log = structlog.get_logger("brownout.ladder")
