@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Callable
 
-from proxy.guard.core import Guard
+from proxy.guard.compiled import Guard
 from proxy.openai.sse import SSEFramer
 from proxy.policy import GuardPolicy, MalformedRule, RepetitionRule
 

@@ -11,8 +11,10 @@ import atheris
 
 with atheris.instrument_imports():
     from proxy.errors import RequestRejected
-    from proxy.guard.core import Guard, GuardPolicy, Trip
+    from proxy.guard.compiled import Guard
+    from proxy.guard.verdicts import Trip
     from proxy.openai.sse import SSEFramer, SSEParser
+    from proxy.policy import GuardPolicy
     from proxy.ingress.validate import parse_body
 
 GUARD = Guard(GuardPolicy())

@@ -17,14 +17,8 @@ from proxy.errors import RequestRejected
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import RequestRecord
 from proxy.sessions.conversation import surely_fits
-from proxy.sessions.trim import (
-    ContextTooLong,
-    EstimateTokenCounter,
-    TokenCountError,
-    TrimResult,
-    budget_tokens,
-    trim,
-)
+from proxy.sessions.counters import EstimateTokenCounter, TokenCountError
+from proxy.sessions.trim import ContextTooLong, TrimResult, budget_tokens, trim
 
 
 async def adapted(

@@ -23,7 +23,8 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from proxy.guard.core import StreamGuard, Trip
+from proxy.guard.stream import StreamGuard
+from proxy.guard.verdicts import Trip
 from proxy.openai.chunkrun import ChunkRuns
 from proxy.openai.chunks import error_status, is_error_event, markers
 from proxy.openai.errors import error_body

@@ -18,7 +18,8 @@ from proxy.policy import Priority
 from proxy.sessions.conversation import SessionContext
 
 if TYPE_CHECKING:
-    from proxy.guard.core import StreamGuard, Trip
+    from proxy.guard.stream import StreamGuard
+    from proxy.guard.verdicts import Trip
     from proxy.pipeline.pump import StreamResult
     from proxy.runtime.generation import Runtime
 

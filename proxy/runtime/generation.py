@@ -26,13 +26,13 @@ from proxy.control.ladder import TIERS, Destination, Ladder, Signals, Tier, Tran
 from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
 from proxy.control.shared import SharedState
-from proxy.guard.core import Guard
+from proxy.guard.compiled import Guard
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
 from proxy.runtime.supervise import Supervisor
 from proxy.sessions.conversation import TurnIds
+from proxy.sessions.counters import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.sessions.saves import PendingSaves
 from proxy.sessions.store import MemorySessionStore, SessionStore
-from proxy.sessions.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.telemetry.metrics import BackendMetrics, Metrics
 
 log = structlog.get_logger("brownout.ladder")

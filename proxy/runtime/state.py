@@ -41,8 +41,8 @@ from proxy.policy import Policy, PolicyError, load_policy, policy_diff, split_re
 from proxy.policy.diff import RESTART_MARK
 from proxy.runtime.generation import Runtime
 from proxy.runtime.supervise import Body, Supervisor
+from proxy.sessions.counters import HFTokenCounter
 from proxy.sessions.store import SessionStore, make_store, store_identity
-from proxy.sessions.trim import HFTokenCounter
 from proxy.telemetry.metrics import TIER_VALUES, Metrics
 
 log = structlog.get_logger("brownout.policy")

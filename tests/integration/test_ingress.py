@@ -324,7 +324,7 @@ async def test_exception_mid_stream_ends_it_with_an_in_band_error(
 ) -> None:
     import asyncio
 
-    from proxy.guard.core import StreamGuard
+    from proxy.guard.stream import StreamGuard
     from tests.integration.conftest import chunk
 
     async def stream(request: web.Request) -> web.StreamResponse:

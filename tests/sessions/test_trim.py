@@ -15,17 +15,14 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.sessions.trim import (
-    ContextTooLong,
+from proxy.sessions.counters import (
     EstimateTokenCounter,
     HFTokenCounter,
     Message,
     RemoteTokenCounter,
     TokenCountError,
-    TrimResult,
-    budget_tokens,
-    trim,
 )
+from proxy.sessions.trim import ContextTooLong, TrimResult, budget_tokens, trim
 from tests.harness.procs import free_port
 
 pytest.importorskip("transformers")

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from proxy.ops import statuspage
-from proxy.ops.statuspage import STATUS_PAGE, Series, csp_for, histogram_quantile, load_page
+from proxy.ops.statuspage import STATUS_PAGE, csp_for, load_page
+from proxy.ops.statusseries import Series, histogram_quantile
 from proxy.policy import parse_policy
 from proxy.runtime.state import ProxyState
 from proxy.telemetry.metrics import Metrics

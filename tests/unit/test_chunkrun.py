@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.guard.core import Guard
+from proxy.guard.compiled import Guard
 from proxy.openai.chunkrun import ChunkRuns
 from proxy.openai.chunks import markers
 from proxy.policy import GuardPolicy

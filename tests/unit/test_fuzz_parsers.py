@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import RequestRejected
-from proxy.guard.core import Guard, Trip
+from proxy.guard.compiled import Guard
+from proxy.guard.verdicts import Trip
 from proxy.ingress.validate import parse_body
 from proxy.openai.sse import SSEFramer, SSEParser
 from proxy.policy import GuardPolicy

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from proxy.guard.core import Guard, StreamGuard, Trip, invalid_output_event
+from proxy.guard.compiled import Guard
+from proxy.guard.stream import StreamGuard
+from proxy.guard.verdicts import Trip, invalid_output_event
 from proxy.openai.sse import SSEFramer, SSEParser
 from proxy.policy import (
     ControlCharsRule,
