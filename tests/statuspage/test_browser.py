@@ -172,7 +172,7 @@ async def test_status_page_follows_tier_changes_live(
             assert "wrong admin token" in result
             assert await page.text("#tier") == "maintenance"
 
-            # 3. Released from the page's own form: the ladder steps back down to normal.
+            # 3. Released from the page's own form: straight back to normal, through the ramp.
             await page.type_into("#admin-token", ADMIN_TOKEN)
             await page.click("#release-btn")
             await page.wait_text("#admin-result", lambda t: t.startswith("Released"), "release ok")
@@ -216,7 +216,8 @@ async def test_status_page_follows_tier_changes_live(
         edges = await page.evaluate(
             "[...document.querySelectorAll('#timeline li .edge')].map(e => e.textContent)"
         )
-        assert len(edges) >= 4, edges
+        # forced, released (straight back to normal, issue 14), forced again.
+        assert len(edges) >= 3, edges
         drawn = await page.evaluate(
             "document.querySelectorAll('#chart-ttft path.line, #chart-rps path.line').length"
         )
