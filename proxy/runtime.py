@@ -197,7 +197,10 @@ class Runtime:
         the candidates to try in order before the first byte."""
         dest = self.ladder.route()
         if dest == "maintenance":
-            return dest, []
+            trial = self._real_trial()
+            if trial is None:
+                return dest, []
+            return ("primary" if trial.name == "primary" else "fallback"), [trial]
         primary = self.upstreams["primary"]
         fallback = self.upstreams.get("fallback")
         if dest == "primary" or fallback is None:
@@ -212,6 +215,17 @@ class Runtime:
         if not self.policy.ladder.failover.on_connect_error:
             order = order[:1]
         return dest, order[: self.policy.ladder.failover.max_attempts]
+
+    def _real_trial(self) -> Upstream | None:
+        """A backend whose half-open trial only real traffic can make (no
+        working recovery probe): in maintenance it gets the request (the
+        maintenance answer follows if it fails), or it would never recover."""
+        probing = self.policy.ladder.failover.recovery_probe
+        now = self.clock()
+        for up in self.upstreams.values():
+            if (not probing or up.probe_misconfigured) and not up.down and up.trial_due(now):
+                return up
+        return None
 
     # -- signals -----------------------------------------------------------------
 

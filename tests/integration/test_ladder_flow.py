@@ -1081,7 +1081,6 @@ async def test_failure_rate_window_trips_breaker_without_consecutive_failures(
         return await healthy(request)
 
     primary.handlers["/v1/chat/completions"] = flaky
-    primary.handlers["/v1/completions"] = failing(503, VLLM_503)  # recovery probes fail
     fallback.handlers["/v1/chat/completions"] = answering(FALLBACK_TEXT)
     proxy = await start_proxy(ladder_policy(primary.url, fallback.url))
 

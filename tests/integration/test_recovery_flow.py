@@ -192,3 +192,39 @@ backends:
     assert await metric(proxy, "brownout_recovery_probes_total", bad) == 1
     assert len([p for p, _, _ in primary.requests if p == "/v1/completions"]) == 1
     print(f"back on the primary {back:.2f} s after it recovered (real-traffic trial)")
+
+
+async def test_from_maintenance_a_real_request_is_the_trial_when_no_probe_works(
+    fakes: FakeFactory, start_proxy: ProxyFactory
+) -> None:
+    # Both chat-only backends' breakers open and their probes point at a path
+    # they lack: without a real request as the trial, maintenance would hold
+    # for ever (the ladder sends maintenance answers, nothing reaches them).
+    primary, fallback = await fakes(), await fakes()
+    for fake in (primary, fallback):
+        fake.handlers["/v1/chat/completions"] = failing(500, VLLM_500)
+    extra = """
+backends:
+  primary: {kind: openai, probe: {path: /v1/completions}}
+  fallback: {kind: openai, probe: {path: /v1/completions}}
+"""
+    proxy = await start_proxy(ladder_policy(primary.url, fallback.url, extra))
+    st: dict[str, Any] = {}
+    for _ in range(20):
+        await ask(proxy)
+        st = await get_status(proxy)
+        if st["tier"] == "maintenance":
+            break
+    assert st["tier"] == "maintenance", st
+    await wait_status(
+        proxy,
+        lambda s: all(b["probe"]["misconfigured"] for b in s["backends"].values()),
+        "both probes known misconfigured",
+    )
+    r = await ask(proxy)
+    assert (r.status, r.backend) == (200, "maintenance")  # a failed trial: maintenance answer
+
+    primary.handlers["/v1/chat/completions"] = answering(PRIMARY_TEXT)
+    back, _ = await until_primary(proxy, within=5)
+    await wait_tier(proxy, "normal")
+    print(f"back on the primary {back:.2f} s after it recovered (from maintenance)")
