@@ -4,7 +4,7 @@
        ◄──────────◄────────────◄─────────────◄   (one step at a time)
 
 Escalation is immediate: the worst tier the signals call for is entered at
-once (`TRANSITIONS` lists the reason of every edge). Recovery is one tier at a
+once (`TRANSITIONS` lists the reason of every edge). Recovery is one step at a
 time, and only after the current tier has been held for `min_dwell_s` and the
 signals have asked for a better tier in `healthy_windows` consecutive
 evaluations — so a flapping input cannot flap the tier.
@@ -158,7 +158,7 @@ class Ladder:
         default_factory=lambda: collections.deque(maxlen=100)
     )
     last_detail: str = ""
-    _released: bool = False
+    _released: bool = field(default=False, init=False, repr=False)  # a force just ended
 
     def __post_init__(self) -> None:
         self.entered_at = self.clock()
