@@ -158,7 +158,7 @@ class Metrics:
         self.recovery_probes = Counter(
             "brownout_recovery_probes",
             "Recovery probes of open breakers by outcome (ok, failed, misconfigured: "
-            "the backend answered 404/405 to the probe request).",
+            "the backend answered 400/404/405/422 to the probe request).",
             ["backend", "outcome"],
             registry=r,
         )

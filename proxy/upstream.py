@@ -50,6 +50,8 @@ TRANSFORMERS_DROP = (
 )
 
 
+# Answers to the recovery probe that blame the probe request, not the backend.
+MISCONFIGURED = frozenset({400, 404, 405, 422})
 # Models of one backend that get their own breaker (the rest share `breaker`).
 MAX_MODEL_BREAKERS = 64
 PING = '{"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1, "temperature": 0}'
@@ -59,7 +61,9 @@ ModelBreakerChange = Callable[[str, str, str, str, str], None]  # backend, model
 
 @dataclass(frozen=True, slots=True)
 class ProbeMisconfigured:
-    """The recovery probe's request is not one this backend serves (404/405)."""
+    """The recovery probe's request is not one this backend takes: 404/405
+    (no such endpoint: a chat-only server asked for /v1/completions) or
+    400/422 (it rejects the body: e.g. a base model without a chat template)."""
 
     reason: str
 
@@ -92,7 +96,7 @@ class Upstream:
     served_models: tuple[str, ...] = ()
     model_breakers: dict[str, BackendBreaker] = field(default_factory=dict)
     on_model_breaker_change: ModelBreakerChange | None = None
-    # Set when the recovery probe got 404/405: real requests are the trial.
+    # Set when the recovery probe was refused as a request: real ones are the trial.
     probe_misconfigured: str | None = None
 
     def __post_init__(self) -> None:
@@ -267,7 +271,7 @@ class Upstream:
     async def recovery_probe(self, model: str | None = None) -> str | ProbeMisconfigured | None:
         """/health plus the probe request (for `model`'s breaker, or the
         backend's): None when both work, else why not — `ProbeMisconfigured`
-        when the backend does not serve the probe's path (404/405)."""
+        when the backend does not take the probe request (400/404/405/422)."""
         if not await self.probe():
             return self.health.last_error or "health probe failed"
         path = self.policy.probe.path
@@ -280,7 +284,7 @@ class Upstream:
                 allow_redirects=False,
             ) as resp:
                 await resp.read()
-                if resp.status in (404, 405):
+                if resp.status in MISCONFIGURED:
                     return ProbeMisconfigured(f"POST {path} answered HTTP {resp.status}")
                 if not 200 <= resp.status < 300:
                     return f"probe POST {path} returned HTTP {resp.status}"

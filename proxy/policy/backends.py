@@ -40,7 +40,7 @@ class ProbePolicy:
     path: str = knob(
         "/v1/chat/completions",
         "Recovery probe: POSTed after /health passes while the breaker is open; a "
-        "2xx closes the breaker. HTTP 404/405 means the backend does not serve it: "
+        "2xx closes the breaker. HTTP 400/404/405/422 means the backend does not take it: "
         "counted, shown in status, and real requests become the trial.",
     )
     body: str = knob(

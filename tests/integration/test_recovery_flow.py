@@ -228,3 +228,38 @@ backends:
     back, _ = await until_primary(proxy, within=5)
     await wait_tier(proxy, "normal")
     print(f"back on the primary {back:.2f} s after it recovered (from maintenance)")
+
+
+async def test_a_probe_body_the_backend_rejects_is_a_misconfiguration(
+    fakes: FakeFactory, start_proxy: ProxyFactory
+) -> None:
+    # A base model without a chat template: vLLM answers chat requests 400.
+    primary, fallback = await fakes(), await fakes()
+    state = {"failing": True}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["messages"][0]["content"] == "ping":
+            return web.json_response({"error": {"message": "no chat template"}}, status=400)
+        if state["failing"]:
+            return web.json_response(VLLM_500, status=500)
+        return await answering(PRIMARY_TEXT)(request)
+
+    primary.handlers["/v1/chat/completions"] = chat
+    fallback.handlers["/v1/chat/completions"] = answering(FALLBACK_TEXT)
+    proxy = await start_proxy(ladder_policy(primary.url, fallback.url))
+    for _ in range(3):
+        await ask(proxy)
+    await wait_tier(proxy, "failover")
+    st = await wait_status(
+        proxy,
+        lambda s: s["backends"]["primary"]["probe"]["misconfigured"] is not None,
+        "the misconfigured probe to show",
+    )
+    assert st["backends"]["primary"]["probe"]["misconfigured"] == (
+        "POST /v1/chat/completions answered HTTP 400"
+    )
+    assert st["backends"]["primary"]["breaker"] == "half-open"  # no outcome: the slot is free
+    state["failing"] = False
+    back, _ = await until_primary(proxy, within=5)
+    print(f"back on the primary {back:.2f} s after it recovered (400 on the probe)")
