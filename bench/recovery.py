@@ -11,7 +11,7 @@ requests (`--rate` per second), two scenarios:
 
 For each: seconds from the primary's recovery to its first answer, to tier
 `normal`, and to the end of the ramp; the answers by backend meanwhile; and
-the ladder's recovery bound (`proxy.ladder.recovery_bound`) for comparison.
+the ladder's recovery bound (`proxy.control.ladder.recovery_bound`) for comparison.
 
     .venv/bin/python bench/recovery.py [--policy default|test] [--rate 10]
 """
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from proxy.app import create_app  # noqa: E402
-from proxy.ladder import recovery_bound  # noqa: E402
+from proxy.control.ladder import recovery_bound  # noqa: E402
 from proxy.policy import parse_policy  # noqa: E402
 
 TEST_TIMINGS: dict[str, Any] = {

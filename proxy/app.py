@@ -9,12 +9,12 @@ from aiohttp import web
 
 from proxy.ingress import middleware
 from proxy.ingress.routes import add_routes
-from proxy.keys import STATE
-from proxy.loops import wanted_loops
-from proxy.metrics import Metrics
+from proxy.ops.statuspage import setup_status_page
 from proxy.policy import Policy
-from proxy.state import ProxyState
-from proxy.statuspage import setup_status_page
+from proxy.runtime.keys import STATE
+from proxy.runtime.loops import wanted_loops
+from proxy.runtime.state import ProxyState
+from proxy.telemetry.metrics import Metrics
 
 
 def create_app(policy: Policy, clock: Callable[[], float] = time.monotonic) -> web.Application:
@@ -39,7 +39,7 @@ async def _state(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _loops(app: web.Application) -> AsyncIterator[None]:
-    """The background work (`proxy.loops`): ladder windows, vLLM scrapes,
+    """The background work (`proxy.runtime.loops`): ladder windows, vLLM scrapes,
     pending saves, shared state, file watch — supervised, and reconciled
     with the policy on every reload."""
     state = app[STATE]

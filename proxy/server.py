@@ -11,9 +11,9 @@ from aiohttp import web
 
 from proxy.app import create_app
 from proxy.ingress.listen import GuardedSite
-from proxy.keys import STATE
-from proxy.logs import configure_logging
 from proxy.policy import Policy
+from proxy.runtime.keys import STATE
+from proxy.telemetry.logs import configure_logging
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

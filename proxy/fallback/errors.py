@@ -47,5 +47,8 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 
 
 def unsupported(param: str, what: str | None = None) -> APIError:
+    """A 400 for a field this server does not honour; the message always names it."""
     detail = what or f"'{param}' is not supported by this server"
+    if param not in detail:
+        detail = f"'{param}': {detail}"
     return APIError(400, detail, param=param, code="unsupported_parameter")

@@ -2,7 +2,8 @@
 
 The middlewares have already set the request id (and the log context),
 checked the path and the client's key. Here: the body (size, time, coding),
-its parse, the request's priority and its session context — then `Flow`.
+its parse, the request's priority and its session context — then the
+pipeline (`proxy.pipeline.serve_completion`).
 Anything refused here raises `RequestRejected`; the error middleware answers
 it, counts it and logs it.
 """
@@ -14,17 +15,17 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from proxy.conversation import SessionContext
 from proxy.errors import RequestRejected
-from proxy.forward import Flow
 from proxy.ingress.body import read_body
 from proxy.ingress.context import REQUEST_ID, STARTED_AT
-from proxy.keys import STATE
+from proxy.ingress.validate import Endpoint, parse_body
 from proxy.openai.auth import bearer_token
 from proxy.openai.messages import last_user_text
-from proxy.runtime import Runtime
-from proxy.sessions import SessionIdError, session_key
-from proxy.validate import Endpoint, parse_body
+from proxy.pipeline import serve_completion
+from proxy.runtime.generation import Runtime
+from proxy.runtime.keys import STATE
+from proxy.sessions.conversation import SessionContext
+from proxy.sessions.store import SessionIdError, session_key
 
 log = structlog.get_logger("brownout.request")
 
@@ -52,7 +53,7 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
     session = session_context(rt, sid, api_key, parsed.body, endpoint) if sid is not None else None
     rt.inflight += 1
     try:
-        flow = Flow(
+        return await serve_completion(
             request,
             rt,
             endpoint,
@@ -64,7 +65,6 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
             priority,
             session,
         )
-        return await flow.run()
     finally:
         rt.inflight -= 1
 

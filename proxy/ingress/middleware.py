@@ -26,10 +26,10 @@ from proxy.ingress import listen
 from proxy.ingress.context import REQUEST_ID, STARTED_AT
 from proxy.ingress.paths import path_problem
 from proxy.ingress.routes import Route, route_of
-from proxy.keys import STATE
 from proxy.openai.auth import bearer_token, is_valid_utf8, key_matches
 from proxy.openai.errors import HTTP_CODES, error_body, error_type_for
-from proxy.runtime import request_id
+from proxy.runtime.generation import request_id
+from proxy.runtime.keys import STATE
 
 log = structlog.get_logger("brownout.request")
 

@@ -17,8 +17,8 @@ from typing import Literal
 
 from aiohttp import web
 
-from proxy import handlers
 from proxy.ingress.completions import chat_completions, completions
+from proxy.ops import handlers
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Auth = Literal["client", "admin", "none"]
@@ -30,7 +30,7 @@ _COMPLETION = (
 )
 _PASS = (
     "ingress → route (tier, maintenance) → attempts [admission → backend call (breaker) → "
-    "relay] → finish; body passed through"
+    "relay (+ guard on chat-chunk SSE)] → finish; body passed through"
 )
 _INGRESS_ONLY = "ingress (answered by the proxy, nothing forwarded)"
 _OPS = "answered by the proxy"

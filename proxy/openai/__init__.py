@@ -11,6 +11,6 @@ definition:
 - `messages` the last user message's text (session turns, FAQ matching)
 - `headers`  the response headers of an SSE stream (nginx-unbuffered)
 
-(chunk parsing, markers and partial-answer extraction are added alongside in
-their own modules.)
+- `chunks`   chunk markers (finish, error, [DONE]) found on bytes
+- `partial`  the partial answer of a stream, continuation bodies, choice 0
 """

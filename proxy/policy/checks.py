@@ -93,7 +93,8 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
             parse_key_priority(kp)
         except ValueError as exc:  # the message never quotes the key
             bad("ladder.throttle.key_priorities", f"item {i} {exc}")
-    for knob_name in ("min_limit", "throttled_limit"):
+    # throttled_limit only matters in fixed mode, min_limit only in adaptive mode.
+    for knob_name in ("min_limit" if th.mode == "adaptive" else "throttled_limit",):
         value = getattr(th, knob_name)
         if value > th.max_inflight:
             bad(

@@ -38,9 +38,11 @@ class ThrottlePolicy(AdmissionPolicy):
         "adaptive", "How the throttle tier sets the limit: `fixed` or `adaptive` (AIMD)."
     )
     throttled_limit: int = knob(
-        8, "The limit in the throttle tier when `mode: fixed` (≤ max_inflight).", ge=1
+        8, "The limit in the throttle tier when `mode: fixed` (≤ max_inflight then).", ge=1
     )
-    min_limit: int = knob(1, "The adaptive limit never goes below this (≤ max_inflight).", ge=1)
+    min_limit: int = knob(
+        1, "The adaptive limit never goes below this (≤ max_inflight in adaptive mode).", ge=1
+    )
     decrease_factor: float = knob(
         0.75, "Adaptive: limit × this per window under pressure.", gt=0, lt=1
     )

@@ -49,6 +49,22 @@ class ServerPolicy:
         ge=0,
         le=300,
     )
+    max_event_bytes: int = knob(
+        1024 * 1024,
+        "A backend stream event larger than this (no blank line yet) ends the stream with "
+        "an in-band error (a 502 before the first byte): bounds memory and CPU per stream.",
+        ge=1024,
+        le=1024**3,
+        unit="bytes",
+    )
+    max_kept_bytes: int = knob(
+        8 * 1024 * 1024,
+        "Stream bytes kept per answer for a rescue or a session save; a longer answer is "
+        "still relayed, but neither rescued nor saved.",
+        ge=0,
+        le=1024**3,
+        unit="bytes",
+    )
     log_prompts: bool = knob(False, "Prompts and completions reach the logs only when true.")
     log_level: Literal["debug", "info", "warning", "error"] = knob(
         "info", "Log level.", restart=True

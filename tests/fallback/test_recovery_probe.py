@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from proxy.breaker import BackendBreaker
+from proxy.backends.upstream import Upstream, make_session
+from proxy.control.breaker import BackendBreaker
 from proxy.policy import parse_policy
-from proxy.upstream import Upstream, make_session
 from tests.fallback.conftest import FallbackServer
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.keys import STATE
 from proxy.policy import Policy, parse_policy
+from proxy.runtime.keys import STATE
 from tests.integration.conftest import CHAT_BODY, FakeUpstream, ProxyFactory
 from tests.integration.rawhttp import RawResponse, raw_request
 
@@ -324,7 +324,7 @@ async def test_exception_mid_stream_ends_it_with_an_in_band_error(
 ) -> None:
     import asyncio
 
-    from proxy.guard import StreamGuard
+    from proxy.guard.core import StreamGuard
     from tests.integration.conftest import chunk
 
     async def stream(request: web.Request) -> web.StreamResponse:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
-from proxy.keys import STATE
+from proxy.runtime.keys import STATE
 from tests.integration.conftest import (
     CHAT_BODY,
     FakeUpstream,

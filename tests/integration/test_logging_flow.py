@@ -14,7 +14,7 @@ import pytest
 import structlog
 from aiohttp import web
 
-from proxy.logs import configure_logging, current_writer
+from proxy.telemetry.logs import configure_logging, current_writer
 from tests.integration.conftest import CHAT_BODY, FakeUpstream, ProxyFactory, make_policy
 
 ANSWER = {

@@ -17,10 +17,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.keys import STATE
-from proxy.loops import Evaluator
-from proxy.runtime import Runtime
-from proxy.upstream import Upstream
+from proxy.backends.upstream import Upstream
+from proxy.runtime.generation import Runtime
+from proxy.runtime.keys import STATE
+from proxy.runtime.loops import Evaluator
 from tests.integration.conftest import FakeUpstream, ProxyFactory, RunningProxy
 from tests.integration.test_ladder_flow import ladder_policy
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.ladder import recovery_bound
+from proxy.control.ladder import recovery_bound
 from proxy.policy import Policy
 from tests.integration.conftest import ProxyFactory
 from tests.integration.test_ladder_flow import (

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.admission import MIN_SERVICE_S, Admission, Rejected
+from proxy.control.admission import MIN_SERVICE_S, Admission, Rejected
 from proxy.policy import AdmissionPolicy, Priority
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.breaker import BackendBreaker, Permit
+from proxy.control.breaker import BackendBreaker, Permit
 from proxy.policy import BreakerPolicy
 
 

@@ -16,7 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from proxy.breaker import BackendBreaker, BreakerPolicy, Permit
+from proxy.control.breaker import BackendBreaker, Permit
+from proxy.policy import BreakerPolicy
 
 EDGES = {
     ("closed", "open"),

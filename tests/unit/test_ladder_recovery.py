@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from proxy.ladder import TIERS, Ladder, Ramp, Signals, Tier, Transition, recovery_bound
+from proxy.control.ladder import TIERS, Ladder, Ramp, Signals, Tier, Transition, recovery_bound
 from proxy.policy import RecoveryPolicy
 
 DEFAULTS = RecoveryPolicy()

@@ -11,7 +11,7 @@ import threading
 
 import structlog
 
-from proxy.logs import LineWriter, configure_logging, current_writer, lines_dropped
+from proxy.telemetry.logs import LineWriter, configure_logging, current_writer, lines_dropped
 
 
 class Recorder(io.RawIOBase):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.metrics import Metrics
 from proxy.policy import Grant, PolicyError, parse_key_priority, parse_policy
-from proxy.runtime import Runtime
+from proxy.runtime.generation import Runtime
+from proxy.telemetry.metrics import Metrics
 
 
 def test_entries() -> None:
