@@ -1,7 +1,14 @@
-"""One backend: its HTTP client session, URLs, health probe and breaker.
+"""One backend: its HTTP client session, URLs, health probe and breakers.
 
 Each backend gets exactly one `ClientSession` (its own connection pool and
 keep-alive), created and closed in the app's cleanup context.
+
+Breakers: one per backend (`breaker`), except for a backend of kind `openai`
+that serves several models and has no `model` rewrite: there a request's
+model (one of those its /v1/models lists) gets its own breaker, so failures
+of one model never divert another's traffic. Ask `breaker_for(model)` for
+the permit and hand it back to `release_trial(permit)` (or report it to the
+runtime): a permit knows the breaker that issued it.
 """
 
 from __future__ import annotations
@@ -10,14 +17,15 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import structlog
 from yarl import URL
 
-from proxy.control.breaker import BackendBreaker
+from proxy.control.breaker import BackendBreaker, Permit
 from proxy.policy import BackendPolicy, BreakerPolicy
 
 log = structlog.get_logger("brownout.upstream")
@@ -40,6 +48,24 @@ TRANSFORMERS_DROP = (
     "guided_grammar",
     "structured_outputs",
 )
+
+
+# Answers to the recovery probe that blame the probe request, not the backend.
+MISCONFIGURED = frozenset({400, 404, 405, 422})
+# Models of one backend that get their own breaker (the rest share `breaker`).
+MAX_MODEL_BREAKERS = 64
+PING = '{"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1, "temperature": 0}'
+
+ModelBreakerChange = Callable[[str, str, str, str, str], None]  # backend, model, old, new, why
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeMisconfigured:
+    """The recovery probe's request is not one this backend takes: 404/405
+    (no such endpoint: a chat-only server asked for /v1/completions) or
+    400/422 (it rejects the body: e.g. a base model without a chat template)."""
+
+    reason: str
 
 
 @dataclass
@@ -66,6 +92,12 @@ class Upstream:
     served_model: str | None = None
     max_model_len: int | None = None
     probe_task: asyncio.Task[None] | None = None
+    # Every model id of /v1/models (kind openai: the per-model breakers' keys).
+    served_models: tuple[str, ...] = ()
+    model_breakers: dict[str, BackendBreaker] = field(default_factory=dict)
+    on_model_breaker_change: ModelBreakerChange | None = None
+    # Set when the recovery probe was refused as a request: real ones are the trial.
+    probe_misconfigured: str | None = None
 
     def __post_init__(self) -> None:
         base = URL(self.policy.url.rstrip("/"))
@@ -89,6 +121,66 @@ class Upstream:
         else:
             self.drop_params = TRANSFORMERS_DROP if p.kind == "transformers" else ()
 
+    # -- breakers --------------------------------------------------------------
+
+    @property
+    def per_model(self) -> bool:
+        """Whether requests get a breaker per model (see the module doc)."""
+        return (
+            self.policy.kind == "openai"
+            and self.policy.model is None
+            and (len(self.served_models) > 1)
+        )
+
+    def breaker_for(self, model: str | None) -> BackendBreaker:
+        """The breaker that admits a request for `model` (the request's
+        `model` field as sent to this backend)."""
+        if model is None or not self.per_model or model not in self.served_models:
+            return self.breaker
+        b = self.model_breakers.get(model)
+        if b is None:
+            b = BackendBreaker(
+                self.name, self.breaker.policy, self.breaker.clock, self._model_change(model)
+            )
+            b.model = model
+            self.model_breakers[model] = b
+            if self.on_model_breaker_change is not None:
+                self.on_model_breaker_change(self.name, model, "closed", "closed", "created")
+        return b
+
+    def _model_change(self, model: str) -> Callable[[str, str, str, str], None]:
+        def changed(name: str, old: str, new: str, reason: str) -> None:
+            cb = self.on_model_breaker_change
+            if cb is not None:
+                cb(name, model, old, new, reason)
+
+        return changed
+
+    def breaker_of(self, permit: Permit) -> BackendBreaker:
+        """The breaker of this backend that issued `permit`."""
+        owner = permit.owner
+        if (
+            isinstance(owner, BackendBreaker)
+            and self.model_breakers.get(owner.model or "") is owner
+        ):
+            return owner
+        return self.breaker
+
+    def release_trial(self, permit: Permit | None) -> None:
+        """`breaker.release_trial` on whichever breaker issued `permit`."""
+        if permit is not None:
+            self.breaker_of(permit).release_trial(permit)
+
+    def breakers(self) -> Iterator[tuple[str | None, BackendBreaker]]:
+        """(model or None for the backend's own, breaker) of this backend."""
+        yield None, self.breaker
+        yield from self.model_breakers.items()
+
+    def trial_due(self, now: float) -> bool:
+        """Whether the backend's breaker would admit a half-open trial now."""
+        b = self.breaker
+        return b.state == "half-open" or (b.state == "open" and now >= b.retry_at())
+
     def url_for(self, path_qs: str) -> URL:
         return URL(str(self.base) + path_qs, encoded=True)
 
@@ -102,7 +194,14 @@ class Upstream:
 
     @property
     def available(self) -> bool:
-        return not self.down and self.breaker.state == "closed"
+        """Can serve: probes pass, its breaker is closed, and (per-model
+        breakers) not every served model's breaker is out."""
+        if self.down or self.breaker.state != "closed":
+            return False
+        mb = self.model_breakers
+        if self.per_model and len(mb) >= len(self.served_models):
+            return any(b.state == "closed" for b in mb.values())
+        return True
 
     async def probe(self) -> bool:
         """One health check: 200 = healthy; vLLM answers 503 once its engine died."""
@@ -131,7 +230,9 @@ class Upstream:
         h.consecutive_failures = 0 if err is None else h.consecutive_failures + 1
         if was is not h.healthy:
             log.info("backend_health_changed", backend=self.name, healthy=h.healthy, error=err)
-        if h.healthy and (self.served_model is None or self.max_model_len is None):
+        if h.healthy and (
+            self.served_model is None or self.max_model_len is None or not self.served_models
+        ):
             await self.discover()
         return h.healthy
 
@@ -146,8 +247,10 @@ class Upstream:
                     return
                 data = json.loads(await resp.read())
             first = data["data"][0]
+            ids = [m["id"] for m in data["data"] if isinstance(m.get("id"), str)]
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
             return
+        self.served_models = tuple(dict.fromkeys(ids))[:MAX_MODEL_BREAKERS]
         if self.served_model is None and isinstance(first.get("id"), str):
             self.served_model = first["id"]
         if self.max_model_len is None and isinstance(first.get("max_model_len"), int):
@@ -159,27 +262,36 @@ class Upstream:
                 max_model_len=self.max_model_len,
             )
 
-    async def recovery_probe(self) -> str | None:
-        """/health plus a 1-token completion: None when both work, else why not."""
+    def probe_request(self, model: str | None = None) -> dict[str, Any]:
+        """The recovery probe's JSON body (`backends.<name>.probe`)."""
+        body: dict[str, Any] = json.loads(self.policy.probe.body or PING)
+        model = model or self.policy.model or self.served_model
+        if model and "model" not in body:
+            body["model"] = model
+        return body
+
+    async def recovery_probe(self, model: str | None = None) -> str | ProbeMisconfigured | None:
+        """/health plus the probe request (for `model`'s breaker, or the
+        backend's): None when both work, else why not — `ProbeMisconfigured`
+        when the backend does not take the probe request (400/404/405/422)."""
         if not await self.probe():
             return self.health.last_error or "health probe failed"
-        model = self.policy.model or self.served_model
-        body = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
-        if model:
-            body["model"] = model
+        path = self.policy.probe.path
         try:
             async with self.session.post(
-                self.completions_url,
-                json=body,
+                self.base.with_path(path),
+                json=self.probe_request(model),
                 headers={"Authorization": self.auth_header} if self.auth_header else None,
                 timeout=aiohttp.ClientTimeout(total=self.policy.timeouts.first_byte_s),
                 allow_redirects=False,
             ) as resp:
                 await resp.read()
-                if resp.status != 200:
-                    return f"trial completion returned HTTP {resp.status}"
+                if resp.status in MISCONFIGURED:
+                    return ProbeMisconfigured(f"POST {path} answered HTTP {resp.status}")
+                if not 200 <= resp.status < 300:
+                    return f"probe POST {path} returned HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return f"trial completion failed: {type(exc).__name__}"
+            return f"probe POST {path} failed: {type(exc).__name__}"
         return None
 
     async def close(self) -> None:
@@ -226,6 +338,7 @@ def open_upstream(
     probe_failures: int,
     start: Callable[[str, Callable[[], Awaitable[None]]], asyncio.Task[None]] | None = None,
     breaker: BackendBreaker | None = None,
+    on_model_breaker_change: ModelBreakerChange | None = None,
 ) -> Upstream:
     """An upstream with its session and its probe task running (call `close`).
     `start` runs the probe loop (the app's `Supervisor.start`: an exception
@@ -235,6 +348,7 @@ def open_upstream(
     if breaker is None:
         breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
     upstream = Upstream(name, policy, session, breaker, probe_failures)
+    upstream.on_model_breaker_change = on_model_breaker_change
     if start is None:
         upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
     else:

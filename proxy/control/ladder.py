@@ -4,19 +4,41 @@
        ◄──────────◄────────────◄─────────────◄   (one step at a time)
 
 Escalation is immediate: the worst tier the signals call for is entered at
-once (`TRANSITIONS` lists the reason of every edge). Recovery is one tier at a
+once (`TRANSITIONS` lists the reason of every edge). Recovery is one step at a
 time, and only after the current tier has been held for `min_dwell_s` and the
 signals have asked for a better tier in `healthy_windows` consecutive
 evaluations — so a flapping input cannot flap the tier.
 
-Leaving failover (or maintenance) starts a traffic ramp: the recovered
-backend gets `ramp[0]` of the requests (5 % by default), then each next share
-after `ramp_step_s` without errors; `ramp_max_failures` failures of the
-recovered backend during the ramp roll the ladder back to the tier it left.
-Routing by share is deterministic (an accumulator, not a random draw), so a
-step never sends more than its share.
+Stepping down goes towards whichever backend is healthy, the primary first:
 
-A forced tier (`POST /brownout/tier`) always wins until released.
+- from failover or maintenance with the primary healthy → throttle, with a
+  ramp towards the primary (a healthy primary is never held behind a dead
+  fallback: maintenance → throttle skips the failover tier when that is
+  where the healthy backend is);
+- from maintenance with only the fallback healthy → failover, with a ramp
+  towards the fallback.
+
+A ramp gives its target `ramp[0]` of the requests (5 % by default), then each
+next share after `ramp_step_s`; the rest go to the next best destination
+(`Ramp.rest`: the fallback while it is healthy, else maintenance — re-read
+at every evaluation). `ramp_max_failures` failures *of the ramp's target*
+roll the ladder back to the tier the rest belongs to; a failure of the other
+backend never touches the ramp. Routing by share is deterministic (an
+accumulator, not a random draw), so a step never sends more than its share.
+
+A forced tier (`POST /brownout/tier`) always wins until released. Releasing
+it moves at the next evaluation straight to the tier the live signals call
+for (reason `released`), through a ramp when the forced tier had shifted
+traffic away from the backend that takes it back.
+
+Recovery bound (the primary healthy, no pressure, nothing forced, from time
+t0; evaluations every window_s): one step takes at most
+S = max(min_dwell_s + window_s, healthy_windows × window_s), the ramp at most
+R = n × (ramp_step_s + window_s) with n the shares below 1. The tier is normal
+and the ramp over by t0 + 2·S + max(S, R) + window_s — the worst path is a
+fallback ramp that its own failure rolls back to maintenance (one extra step)
+before the primary's ramp. `recovery_bound(policy)` computes it; the
+property test in tests/unit/test_ladder_recovery.py checks it.
 
 The machine is pure: time comes from an injectable clock, side effects (metrics,
 logs, status history) from the `on_transition` callback.
@@ -51,6 +73,9 @@ for _a in TIERS:
         elif RANK[_b] == RANK[_a] - 1:
             TRANSITIONS[(_a, _b)] = "recovered"
 del _a, _b
+# A healthy primary leaves maintenance through its own ramp, skipping the
+# fallback's tier (which would ramp towards a dead fallback).
+TRANSITIONS[("maintenance", "throttle")] = "recovered"
 # Extra reasons that reuse the edges above or jump by force.
 REASONS = frozenset(
     {
@@ -86,11 +111,13 @@ class Transition:
 
 @dataclass(slots=True)
 class Ramp:
-    """A recovered backend taking back its traffic, share by share."""
+    """A recovered backend taking back its traffic, share by share; what
+    the ramp does not send to it goes to `rest`."""
 
     target: Literal["primary", "fallback"]
     step: int
     step_started: float
+    rest: Destination = "fallback"
     failures: int = 0
     acc: float = 0.0
     sent: int = 0  # requests sent to the target during this step
@@ -101,6 +128,20 @@ def desired_tier(s: Signals) -> Tier:
     if not s.primary_ok:
         return "failover" if s.fallback_ok else "maintenance"
     return "throttle" if s.pressure else "normal"
+
+
+def _rest(s: Signals) -> Destination:
+    return "fallback" if s.fallback_ok else "maintenance"
+
+
+def recovery_bound(p: RecoveryPolicy) -> float:
+    """Seconds of a healthy primary (no pressure, nothing forced) after which
+    the tier is normal and no ramp is left, whatever the fallback does."""
+    w = p.window_s
+    step = max(p.min_dwell_s + w, p.healthy_windows * w)
+    shares_below_one = next((i for i, share in enumerate(p.ramp) if share >= 1.0), len(p.ramp))
+    ramp = shares_below_one * (p.ramp_step_s + w)
+    return 2 * step + max(step, ramp) + w
 
 
 @dataclass
@@ -117,6 +158,7 @@ class Ladder:
         default_factory=lambda: collections.deque(maxlen=100)
     )
     last_detail: str = ""
+    _released: bool = field(default=False, init=False, repr=False)  # a force just ended
 
     def __post_init__(self) -> None:
         self.entered_at = self.clock()
@@ -144,6 +186,9 @@ class Ladder:
                 return self._move(self.forced, "forced", "forced by an operator")
             return None
         want = desired_tier(s)
+        if self._released:
+            self._released = False
+            return self._release(want, s, now)
         if RANK[want] > RANK[self.tier]:
             self.ramp = None
             return self._move(want, TRANSITIONS[(self.tier, want)], s.detail)
@@ -152,16 +197,43 @@ class Ladder:
             self.healthy_streak += 1
             p = self.policy
             if now - self.entered_at >= p.min_dwell_s and self.healthy_streak >= p.healthy_windows:
-                old = self.tier
-                step_to = TIERS[max(RANK[want], RANK[old] - 1)]
-                t = self._move(step_to, "recovered", s.detail or f"{old} no longer needed")
-                if old == "failover":
-                    self.ramp = Ramp("primary", 0, now)
-                elif old == "maintenance":
-                    self.ramp = Ramp("fallback", 0, now)
+                t = self._step_down(want, s, now)
         else:
             self.healthy_streak = 0
+        if self.ramp is not None and self.ramp.target == "primary":
+            self.ramp.rest = _rest(s)
         self._advance_ramp(now)
+        return t
+
+    def _step_down(self, want: Tier, s: Signals, now: float) -> Transition:
+        """One step towards `want`, towards whichever backend is healthy."""
+        old = self.tier
+        detail = s.detail or f"{old} no longer needed"
+        if old in ("failover", "maintenance") and s.primary_ok:
+            # The primary takes its traffic back through its own ramp, even
+            # from maintenance: a dead fallback is no stepping stone.
+            t = self._move("throttle", "recovered", detail)
+            self.ramp = Ramp("primary", 0, now, _rest(s))
+        elif old == "maintenance":
+            t = self._move("failover", "recovered", detail)
+            self.ramp = Ramp("fallback", 0, now, "maintenance")
+        else:
+            t = self._move(TIERS[max(RANK[want], RANK[old] - 1)], "recovered", detail)
+        return t
+
+    def _release(self, want: Tier, s: Signals, now: float) -> Transition | None:
+        """A force was just released: straight to what the signals call for,
+        through a ramp when the forced tier had shifted the traffic away."""
+        old = self.tier
+        self.ramp = None
+        if want == old:
+            return None
+        t = self._move(want, "released", s.detail or "released by an operator")
+        if RANK[want] < RANK[old]:
+            if want in ("normal", "throttle") and old in ("failover", "maintenance"):
+                self.ramp = Ramp("primary", 0, now, _rest(s))
+            elif want == "failover" and old == "maintenance":
+                self.ramp = Ramp("fallback", 0, now, "maintenance")
         return t
 
     def _advance_ramp(self, now: float) -> None:
@@ -181,11 +253,11 @@ class Ladder:
             if self.forced is None:
                 return None
             self.forced = None
-            # Step down from a forced tier like from any other: dwell and streak.
-            self.entered_at = self.clock()
-            self.healthy_streak = 0
+            # The next evaluation moves to the tier its signals call for.
+            self._released = True
             return None
         self.forced = tier
+        self._released = False
         self.ramp = None
         if self.tier != tier:
             return self._move(tier, "forced", "forced by an operator")
@@ -203,13 +275,9 @@ class Ladder:
         if tier == "maintenance":
             return "maintenance"
         r = self.ramp
-        if tier == "failover":
-            if r is not None and r.target == "fallback" and self.forced is None:
-                return "fallback" if self._ramp_take(r) else "maintenance"
-            return "fallback"
-        if r is not None and r.target == "primary" and self.forced is None:
-            return "primary" if self._ramp_take(r) else "fallback"
-        return "primary"
+        if r is not None and self.forced is None:
+            return r.target if self._ramp_take(r) else r.rest
+        return "fallback" if tier == "failover" else "primary"
 
     def _ramp_take(self, r: Ramp) -> bool:
         share = self.policy.ramp[r.step]
@@ -230,7 +298,7 @@ class Ladder:
         if r.failures < self.policy.ramp_max_failures:
             return None
         self.ramp = None
-        back: Tier = "failover" if r.target == "primary" else "maintenance"
+        back: Tier = "failover" if r.rest == "fallback" else "maintenance"
         return self._move(back, "ramp_rollback", f"{backend} failed during the recovery ramp")
 
     def snapshot(self) -> dict[str, object]:
@@ -245,6 +313,7 @@ class Ladder:
             if r is None
             else {
                 "target": r.target,
+                "rest": r.rest,
                 "share": self.policy.ramp[r.step],
                 "step": r.step,
                 "failures": r.failures,

@@ -140,7 +140,14 @@ def fingerprint(state: ProxyState) -> Hashable:
         None if last is None else (last.at, last.to_tier, last.reason),
         None if ramp is None else (ramp.target, ramp.step),
         tuple(
-            (name, up.breaker.state, up.health.healthy, up.down)
+            (
+                name,
+                up.breaker.state,
+                up.health.healthy,
+                up.down,
+                tuple((m, b.state) for m, b in up.model_breakers.items()),
+                up.probe_misconfigured,
+            )
             for name, up in rt.upstreams.items()
         ),
         rt.pressure.active,

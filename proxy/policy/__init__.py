@@ -20,6 +20,7 @@ from proxy.policy.backends import (
     BackendsPolicy,
     HealthPolicy,
     PoolPolicy,
+    ProbePolicy,
     TimeoutPolicy,
 )
 from proxy.policy.diff import flatten, policy_diff, redact, redact_url, split_restart
@@ -82,6 +83,7 @@ __all__ = [
     "PolicyIssue",
     "PoolPolicy",
     "Priority",
+    "ProbePolicy",
     "RecoveryPolicy",
     "RepetitionRule",
     "ReplacementCharsRule",

@@ -36,6 +36,23 @@ class HealthPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbePolicy:
+    path: str = knob(
+        "/v1/chat/completions",
+        "Recovery probe: POSTed after /health passes while the breaker is open; a "
+        "2xx closes the breaker. HTTP 400/404/405/422 means the backend does not take it: "
+        "counted, shown in status, and real requests become the trial.",
+    )
+    body: str = knob(
+        "",
+        "The probe's JSON body (an object, as text); empty = a 1-token chat "
+        '(`{"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}`). '
+        "`model` is added when missing: the backend's `model`, else the first "
+        "model of its /v1/models (or the model whose breaker is tested).",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class BackendPolicy:
     url: str = required(
         "Root URL of the OpenAI-compatible server (`/v1/...` is appended).", secret="userinfo"
@@ -73,6 +90,7 @@ class BackendPolicy:
     timeouts: TimeoutPolicy = knob(TimeoutPolicy, "")
     pool: PoolPolicy = knob(PoolPolicy, "")
     health: HealthPolicy = knob(HealthPolicy, "")
+    probe: ProbePolicy = knob(ProbePolicy, "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ rejected by the converter are skipped, so one mistake is reported once.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,15 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
             bad(f"{pre}.url", f"not an http(s) URL: {b.url!r}")
         if not b.health.path.startswith("/"):
             bad(f"{pre}.health.path", f"must start with '/', got {b.health.path!r}")
+        if not b.probe.path.startswith("/"):
+            bad(f"{pre}.probe.path", f"must start with '/', got {b.probe.path!r}")
+        if b.probe.body:
+            try:
+                probe_body = json.loads(b.probe.body)
+            except ValueError as exc:
+                probe_body = exc
+            if not isinstance(probe_body, dict):
+                bad(f"{pre}.probe.body", "must be a JSON object (as text)")
         for t in ("idle_s", "first_byte_s"):
             limit = getattr(b.timeouts, t)
             if 0 < limit <= heartbeat:

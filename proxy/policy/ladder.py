@@ -115,8 +115,9 @@ class FailoverPolicy:
     )
     recovery_probe: bool = knob(
         True,
-        "While a breaker is open, test the backend with /health plus a 1-token completion "
-        "before letting real traffic back.",
+        "While a breaker is open, test the backend with /health plus its probe request "
+        "(`backends.<name>.probe`) before letting real traffic back; off = a real "
+        "request is the half-open trial.",
     )
 
 

@@ -197,23 +197,35 @@ class Runtime:
         the candidates to try in order before the first byte."""
         dest = self.ladder.route()
         if dest == "maintenance":
-            return dest, []
+            trial = self._real_trial()
+            if trial is None:
+                return dest, []
+            return ("primary" if trial.name == "primary" else "fallback"), [trial]
         primary = self.upstreams["primary"]
         fallback = self.upstreams.get("fallback")
         if dest == "primary" or fallback is None:
             order = [primary] if fallback is None else [primary, fallback]
         elif (
-            not self.policy.ladder.failover.recovery_probe
-            and primary.breaker.state == "open"
-            and self.clock() >= primary.breaker.retry_at()
-        ):
-            # No recovery prober: a real request is the primary's half-open trial.
+            not self.policy.ladder.failover.recovery_probe or primary.probe_misconfigured
+        ) and primary.trial_due(self.clock()):
+            # No (working) recovery probe: a real request is the primary's trial.
             order = [primary, fallback]
         else:
             order = [fallback, primary]
         if not self.policy.ladder.failover.on_connect_error:
             order = order[:1]
         return dest, order[: self.policy.ladder.failover.max_attempts]
+
+    def _real_trial(self) -> Upstream | None:
+        """A backend whose half-open trial only real traffic can make (no
+        working recovery probe): in maintenance it gets the request (the
+        maintenance answer follows if it fails), or it would never recover."""
+        probing = self.policy.ladder.failover.recovery_probe
+        now = self.clock()
+        for up in self.upstreams.values():
+            if (not probing or up.probe_misconfigured) and not up.down and up.trial_due(now):
+                return up
+        return None
 
     # -- signals -----------------------------------------------------------------
 
@@ -266,14 +278,27 @@ class Runtime:
             self.tasks.failed("evaluate_soon", exc)
 
     def report_success(self, up: Upstream, *, permit: Permit) -> None:
-        up.breaker.record_success(permit)
+        up.breaker_of(permit).record_success(permit)
 
     def report_failure(self, up: Upstream, kind: str, detail: str = "", *, permit: Permit) -> None:
-        """`permit` is what `up.breaker.allow()` gave this call: the outcome
-        counts only in the breaker epoch that admitted it."""
+        """`permit` is what `up.breaker_for(model).allow()` gave this call: the
+        outcome goes to the breaker that issued it and counts only in the
+        epoch that admitted it."""
         self.metrics.upstream_errors.labels(up.name, kind).inc()
-        up.breaker.record_failure(permit, f"{kind}: {detail}" if detail else kind)
+        up.breaker_of(permit).record_failure(permit, f"{kind}: {detail}" if detail else kind)
         self.ladder.report_failure(up.name)
+
+    def on_model_breaker_change(
+        self, name: str, model: str, old: str, new: str, reason: str
+    ) -> None:
+        self.metrics.model_breaker_state.labels(name, model).set(STATE_VALUES[new])
+        if old == new:
+            return  # just created
+        self.metrics.model_breaker_transitions.labels(name, model, old, new).inc()
+        log.warning("breaker_changed", backend=name, model=model, old=old, new=new, reason=reason)
+        # All of a backend's models out makes it unavailable: the ladder looks.
+        with contextlib.suppress(RuntimeError):
+            self.evaluate_soon()
 
     def on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:
         self.metrics.breaker_transitions.labels(name, old, new).inc()
@@ -323,6 +348,11 @@ class Runtime:
                 "consecutive_probe_failures": h.consecutive_failures,
                 "breaker": up.breaker.state,
                 "breaker_detail": up.breaker.snapshot(),
+                "model_breakers": {m: b.snapshot() for m, b in up.model_breakers.items()},
+                "probe": {
+                    "path": up.policy.probe.path,
+                    "misconfigured": up.probe_misconfigured,
+                },
                 "model": up.policy.model or up.served_model,
                 "max_model_len": up.max_model_len,
             }

@@ -19,14 +19,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import aiohttp
+import structlog
 
-from proxy.backends.upstream import Upstream
-from proxy.control.breaker import Permit
+from proxy.backends.upstream import ProbeMisconfigured, Upstream
+from proxy.control.breaker import BackendBreaker, Permit
 from proxy.control.pressure import parse_vllm_metrics
 from proxy.runtime.supervise import Body, Sleep
 
 if TYPE_CHECKING:
     from proxy.runtime.state import ProxyState
+
+log = structlog.get_logger("brownout.ladder")
 
 
 def wanted_loops(state: ProxyState) -> Mapping[str, Body]:
@@ -50,7 +53,8 @@ class Evaluator:
     def __init__(self, state: ProxyState, sleep: Sleep = asyncio.sleep) -> None:
         self.state = state
         self._sleep = sleep
-        self._probing: dict[int, asyncio.Task[None]] = {}  # by id(upstream)
+        # By (id(upstream), model or None for the backend's own breaker).
+        self._probing: dict[tuple[int, str | None], asyncio.Task[None]] = {}
 
     async def run(self) -> None:
         while True:
@@ -61,38 +65,59 @@ class Evaluator:
         """One window: start the probes that are due, then evaluate. No await."""
         rt = self.state.current
         if rt.policy.ladder.failover.recovery_probe:
+            now = rt.clock()
             for up in rt.upstreams.values():
-                if id(up) in self._probing:
-                    continue
-                b = up.breaker
-                permit = b.allow() if b.state == "open" and rt.clock() >= b.retry_at() else None
-                if permit is not None:
-                    task = self.state.supervisor.spawn(
-                        f"recovery_probe_{up.name}", self._probe(up, permit)
-                    )
-                    self._probing[id(up)] = task
+                if up.probe_misconfigured is not None:
+                    continue  # real requests are the trial (see Runtime.route)
+                for model, b in list(up.breakers()):
+                    key = (id(up), model)
+                    if key in self._probing or b.state != "open" or now < b.retry_at():
+                        continue
+                    permit = b.allow()
+                    if permit is not None:
+                        name = f"recovery_probe_{up.name}" + (f"_{model}" if model else "")
+                        task = self.state.supervisor.spawn(name, self._probe(up, b, model, permit))
+                        self._probing[key] = task
         rt.evaluate(window=True)
 
     def probing(self) -> list[str]:
         return sorted(t.get_name() for t in self._probing.values())
 
-    async def _probe(self, up: Upstream, permit: Permit) -> None:
+    async def _probe(
+        self, up: Upstream, b: BackendBreaker, model: str | None, permit: Permit
+    ) -> None:
         """The half-open trial `permit` admitted: its outcome closes or reopens."""
+        rt = self.state.current
         try:
             try:
-                why = await up.recovery_probe()
+                why = await up.recovery_probe(model) if model else await up.recovery_probe()
             except Exception as exc:
                 # The trial must end either way, or the breaker stays half-open.
-                up.breaker.record_failure(permit, f"recovery probe: {type(exc).__name__}")
+                b.record_failure(permit, f"recovery probe: {type(exc).__name__}")
                 raise  # logged and counted by the supervisor
             # The breaker's transition re-evaluates the ladder (`evaluate_soon`).
+            rt = self.state.current
             if why is None:
-                self.state.current.report_success(up, permit=permit)
+                rt.metrics.recovery_probes.labels(up.name, "ok").inc()
+                rt.report_success(up, permit=permit)
+            elif isinstance(why, ProbeMisconfigured):
+                # Not the backend's fault: no outcome; real requests take the
+                # trial slot this permit frees (Runtime.route sends them).
+                up.probe_misconfigured = why.reason
+                rt.metrics.recovery_probes.labels(up.name, "misconfigured").inc()
+                log.warning(
+                    "recovery_probe_misconfigured",
+                    backend=up.name,
+                    model=model,
+                    reason=why.reason,
+                    fix=f"set backends.{up.name}.probe to a request this backend serves",
+                )
             else:
-                up.breaker.record_failure(permit, f"recovery probe: {why}")
+                rt.metrics.recovery_probes.labels(up.name, "failed").inc()
+                b.record_failure(permit, f"recovery probe: {why}")
         finally:
-            self._probing.pop(id(up), None)
-            up.breaker.release_trial(permit)  # cancelled: the slot goes back at once
+            self._probing.pop((id(up), model), None)
+            b.release_trial(permit)  # cancelled: the slot goes back at once
 
 
 async def scrape_forever(state: ProxyState) -> None:

@@ -129,6 +129,11 @@ class ProxyState:
         # Upstreams outlive generations: breaker news goes to the current one.
         self.current.on_breaker_change(name, old, new, reason)
 
+    def _on_model_breaker_change(
+        self, name: str, model: str, old: str, new: str, reason: str
+    ) -> None:
+        self.current.on_model_breaker_change(name, model, old, new, reason)
+
     async def _provision(self, rt: Runtime, prev: Runtime | None, built: _Built) -> None:
         """Give `rt` its backends, store, tokenizers and shared state, reusing
         `prev`'s where the settings are the same. What is opened anew is
@@ -160,11 +165,15 @@ class ProxyState:
                     breaker=old.breaker
                     if old is not None and same_server and old.breaker.policy == pol.ladder.breaker
                     else None,
+                    on_model_breaker_change=self._on_model_breaker_change,
                 )
                 built.upstreams.append(up)
                 if old is not None and same_server:
                     # Discovered facts stay true for the same server.
                     up.served_model = old.served_model
+                    up.served_models = old.served_models
+                    if up.breaker is old.breaker:
+                        up.model_breakers = old.model_breakers
                     up.max_model_len = bp.max_model_len or old.max_model_len
                     up.health = dataclasses.replace(old.health)
             rt.add_upstream(up)

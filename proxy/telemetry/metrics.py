@@ -142,6 +142,26 @@ class Metrics:
             ["backend", "from", "to"],
             registry=r,
         )
+        self.model_breaker_state = Gauge(
+            "brownout_model_breaker_state",
+            "Per-model circuit breaker of a multi-model backend (kind openai): "
+            "0 closed, 1 half-open, 2 open.",
+            ["backend", "model"],
+            registry=r,
+        )
+        self.model_breaker_transitions = Counter(
+            "brownout_model_breaker_transitions",
+            "Per-model circuit breaker state changes.",
+            ["backend", "model", "from", "to"],
+            registry=r,
+        )
+        self.recovery_probes = Counter(
+            "brownout_recovery_probes",
+            "Recovery probes of open breakers by outcome (ok, failed, misconfigured: "
+            "the backend answered 400/404/405/422 to the probe request).",
+            ["backend", "outcome"],
+            registry=r,
+        )
         self.retries = Counter(
             "brownout_retries",
             "Requests retried on another backend before their first byte.",

@@ -49,7 +49,7 @@ async def test_the_window_goes_on_while_a_recovery_trial_hangs(
         await asyncio.Event().wait()  # a primary that never answers
         raise AssertionError("unreachable")
 
-    fake_upstream.handlers["/v1/completions"] = hang
+    fake_upstream.handlers["/v1/chat/completions"] = hang  # the recovery probe
     fallback = FakeUpstream(free_port())
     fallback_health = {"status": 200}
 

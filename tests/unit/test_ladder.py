@@ -63,7 +63,7 @@ def test_transition_table_is_complete() -> None:
         for b in TIERS:
             if RANK[b] > RANK[a]:
                 assert (a, b) in TRANSITIONS
-            elif RANK[b] == RANK[a] - 1:
+            elif RANK[b] == RANK[a] - 1 or (a, b) == ("maintenance", "throttle"):
                 assert TRANSITIONS[(a, b)] == "recovered"
             else:
                 assert (a, b) not in TRANSITIONS
@@ -79,7 +79,9 @@ def test_every_edge(start: Tier, target: Tier) -> None:
         assert t is not None and t.to_tier == target  # escalation is immediate
         assert t.reason == TRANSITIONS[(start, target)]
         return
-    # Recovery walks down one tier per dwell, never skipping.
+    # Recovery walks down one tier per dwell, never skipping — except that a
+    # healthy primary leaves maintenance straight for throttle (its ramp): the
+    # failover tier is the fallback's, no stepping stone (issue 14).
     path = [ladder.tier]
     for _ in range(50):
         hold(ladder, clock, SIGNALS_FOR[target], 1)
@@ -88,8 +90,10 @@ def test_every_edge(start: Tier, target: Tier) -> None:
         if ladder.tier == target:
             break
     assert ladder.tier == target
-    ranks = [RANK[t] for t in path]
-    assert all(a - b == 1 for a, b in itertools.pairwise(ranks)), path
+    for a, b in itertools.pairwise(path):
+        if (a, b) == ("maintenance", "throttle"):
+            continue
+        assert RANK[a] - RANK[b] == 1, path
     assert all(t.reason == "recovered" for t in seen[1:] if RANK[t.to_tier] < RANK[t.from_tier])
 
 
@@ -167,7 +171,7 @@ def test_maintenance_recovery_ramps_the_fallback() -> None:
     assert routes.count("maintenance") == 95
 
 
-def test_forced_tier_wins_and_release_steps_down() -> None:
+def test_forced_tier_wins_and_release_returns_to_the_live_tier() -> None:
     ladder, clock, seen = make()
     ladder.force("maintenance")
     assert ladder.tier == "maintenance"
@@ -175,10 +179,11 @@ def test_forced_tier_wins_and_release_steps_down() -> None:
     assert ladder.tier == "maintenance"
     assert seen[-1].reason == "forced"
     ladder.force(None)
-    hold(ladder, clock, OK, 9)
-    assert ladder.tier == "maintenance"  # dwell counts from the release
+    assert ladder.tier == "maintenance"  # until the next evaluation
     hold(ladder, clock, OK, 1)
-    assert ladder.tier == "failover"
+    assert ladder.tier == "normal"
+    assert seen[-1].reason == "released"
+    assert ladder.ramp_share() == 0.05  # the primary takes its traffic back gradually
 
 
 def test_desired_tier() -> None:
@@ -206,10 +211,15 @@ class LadderMachine(RuleBasedStateMachine):
         entered = self.ladder.entered_at
         self.ladder.evaluate(SIGNALS_FOR[tier])
         after = self.ladder.tier
-        if RANK[after] < RANK[before]:
-            # No step-down before the dwell, and only one step.
+        released = bool(self.seen) and self.seen[-1].reason == "released"
+        if RANK[after] < RANK[before] and not released:
+            # No step-down before the dwell, and only one step (or maintenance
+            # → throttle: the primary's ramp straight from maintenance).
             assert self.clock.t - entered >= POLICY.min_dwell_s
-            assert RANK[before] - RANK[after] == 1
+            assert RANK[before] - RANK[after] == 1 or (before, after) == (
+                "maintenance",
+                "throttle",
+            )
         if self.ladder.forced is not None:
             assert after == self.ladder.forced
 
@@ -244,7 +254,7 @@ class LadderMachine(RuleBasedStateMachine):
     @invariant()
     def history_edges_are_known(self) -> None:
         for t in self.seen:
-            assert t.reason in ("forced", "ramp_rollback") or (
+            assert t.reason in ("forced", "released", "ramp_rollback") or (
                 (t.from_tier, t.to_tier) in TRANSITIONS
             )
 

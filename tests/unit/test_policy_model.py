@@ -130,6 +130,18 @@ def test_check_reports_every_broken_knob_at_once_with_its_line(tmp_path: Path) -
             "ladder:\n  throttle:\n    key_priorities: ['k1=urgent']\n",
             "6: ladder.throttle.key_priorities: item 0 is not KEY=",
         ),
+        (
+            "    probe:\n      body: '[1, 2]'\n",
+            "5: backends.primary.probe.body: must be a JSON object",
+        ),
+        (
+            "    probe:\n      body: '{\"messages\": '\n",
+            "5: backends.primary.probe.body: must be a JSON object",
+        ),
+        (
+            "    probe:\n      path: v1/chat/completions\n",
+            "5: backends.primary.probe.path: must start with '/'",
+        ),
     ],
 )
 def test_cross_field_and_range_rules(section: str, message: str) -> None:
