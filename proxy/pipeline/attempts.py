@@ -44,7 +44,7 @@ async def run_attempts(
     last: AttemptResult | None = None
     prev: Upstream | None = None
     for up in candidates:
-        permit = up.breaker.allow()
+        permit = up.breaker_for(rec.model).allow()
         if permit is None:
             continue
         if prev is not None:

@@ -59,7 +59,7 @@ class Inbox:
         """An attempt on `up` is over: if it reported nothing (shed, client
         gone, an exception), a half-open breaker's trial slot goes back (a
         no-op once the permit's outcome was recorded)."""
-        up.breaker.release_trial(permit)
+        up.release_trial(permit)
 
     def failure(self, up: Upstream, permit: Permit, kind: str, detail: str = "") -> None:
         self.rt.report_failure(up, kind, detail, permit=permit)

@@ -114,3 +114,10 @@ class RequestRecord:
     @property
     def chat(self) -> bool:
         return self.endpoint == "chat"
+
+    @property
+    def model(self) -> str | None:
+        """The request's `model` (picks a per-model breaker on multi-model
+        backends; pass-through bodies may have none)."""
+        m = self.body.get("model")
+        return m if isinstance(m, str) else None

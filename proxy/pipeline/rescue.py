@@ -57,7 +57,7 @@ async def rescue_or_end(
     assert sr is not None
     fb = rec.rt.upstreams.get("fallback")
     if result.trip is None and fb is not None and sr.regions is not None and can_rescue(rec, up):
-        permit = fb.breaker.allow()
+        permit = fb.breaker_for(rec.model).allow()
         if permit is None:
             inbox.rescue("fallback_unavailable")
         else:

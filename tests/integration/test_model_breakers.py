@@ -23,6 +23,7 @@ from proxy.runtime.keys import STATE
 from proxy.runtime.loops import Evaluator
 from tests.integration.conftest import FakeUpstream, ProxyFactory, RunningProxy
 from tests.integration.test_ladder_flow import ladder_policy
+from tests.integration.test_pipeline import fallback_upstream as fallback_upstream
 
 TWO_MODELS = {"object": "list", "data": [{"id": "model-a"}, {"id": "model-b"}]}
 
@@ -174,3 +175,76 @@ async def test_a_model_rewrite_keeps_one_breaker(
     _, _, up = await started(fake_upstream, start_proxy, extra)
     assert up.breaker_for("model-a") is up.breaker
     assert up.probe_request()["model"] == "model-b"
+
+
+async def test_real_requests_open_only_their_models_breaker(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Through the pipeline: model-a's 500s open model-a's breaker and move
+    model-a to the fallback, while model-b keeps being answered by the primary."""
+    serve_models(fake_upstream, TWO_MODELS)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["model"] == "model-a":
+            return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "ok"},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
+        )
+
+    fake_upstream.handlers["/v1/chat/completions"] = chat
+    fallback_upstream.handlers["/v1/chat/completions"] = chat_fallback
+    extra = "backends: {primary: {kind: openai}}\nladder: {breaker: {fail_max: 3}}\n"
+    proxy = await start_proxy(ladder_policy(fake_upstream.url, fallback_upstream.url, extra))
+    up = proxy.app[STATE].current.upstreams["primary"]
+    for _ in range(200):
+        if up.served_models:
+            break
+        await asyncio.sleep(0.01)
+
+    async def ask(model: str) -> str:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        async with proxy.session.post(proxy.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            return r.headers["X-Brownout-Backend"]
+
+    for _ in range(3):
+        assert await ask("model-a") == "fallback"  # the primary's 500, retried there
+    assert up.breaker_for("model-a").state == "open"
+    before = len([p for p, _, _ in fake_upstream.requests if p == "/v1/chat/completions"])
+    assert await ask("model-a") == "fallback"  # not even tried on the primary now
+    after = len([p for p, _, _ in fake_upstream.requests if p == "/v1/chat/completions"])
+    assert after == before
+    for _ in range(5):
+        assert await ask("model-b") == "primary"
+    assert up.breaker.state == "closed"
+    assert proxy.app[STATE].current.tier == "normal"
+
+
+async def chat_fallback(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    return web.json_response(
+        {
+            "id": "fb",
+            "object": "chat.completion",
+            "model": body.get("model", "tiny"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "from the fallback"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    )
