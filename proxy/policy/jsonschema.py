@@ -73,7 +73,8 @@ def _type(tp: Any, bounds: Bounds | None, defs: dict[str, Any]) -> dict[str, Any
         number = _bounds({"type": "integer" if tp is int else "number"}, bounds)
         return {"anyOf": [number, _ENV_STRING]}
     if tp is str:
-        return {"type": "string"}
+        # A plain number where text goes is kept as written (`api_key: 0123`).
+        return {"type": ["string", "number"]}
     raise TypeError(f"no JSON Schema for {tp!r}")
 
 

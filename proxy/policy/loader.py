@@ -10,6 +10,7 @@ All errors of a file are collected, not just the first.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -47,6 +48,7 @@ class PolicyError(Exception):
         return [str(i) for i in self.issues]
 
 
+MAX_FILE_BYTES = 16 * 2**20
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 T = TypeVar("T")
 
@@ -59,54 +61,159 @@ class _Invalid:
 INVALID: Any = _Invalid()
 
 
+_CORE = "tag:yaml.org,2002:"
+# Explicit tags a policy may carry: the core schema's scalar types (their
+# value is typed by the tag, not guessed); anything else (`!!binary`,
+# `!!python/object:...`, `!!set`, custom `!foo`) is refused.
+_SCALAR_TAGS = {f"{_CORE}{t}" for t in ("str", "int", "float", "bool", "null")}
+_COLLECTION_TAGS = {f"{_CORE}map", f"{_CORE}seq"}
+_TYPED = {f"{_CORE}{t}" for t in ("int", "float", "bool", "null")}
+# A file without aliases visits each node once; aliases may repeat a node
+# (shared settings), but not multiply the work without bound (a "billion
+# laughs" file of a few KB would otherwise hang `check` and reloads).
+_EXPANSION = 10
+_MIN_BUDGET = 100_000
+
+
+class _TooLarge(Exception):
+    def __init__(self, node: yaml.Node) -> None:
+        self.node = node
+
+
+def _count_nodes(root: yaml.Node) -> int:
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                stack += (k, v)
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+    return len(seen)
+
+
+def _short_tag(tag: str) -> str:
+    return "!!" + tag[len(_CORE) :] if tag.startswith(_CORE) else tag
+
+
 class Converter:
     """Walks a YAML node tree against a dataclass schema, collecting issues."""
 
-    def __init__(self, file: str, env: Mapping[str, str]) -> None:
+    def __init__(self, file: str, env: Mapping[str, str], budget: int = _MIN_BUDGET) -> None:
         self.file = file
         self.env = env
         self.issues: list[PolicyIssue] = []
         # Knobs whose value was rejected (cross-field rules skip them).
         self.invalid: set[str] = set()
+        self.budget = budget
+        self._resolver = yaml.resolver.Resolver()
+        self._constructor = yaml.constructor.SafeConstructor()
 
     def issue(self, node: yaml.Node, message: str) -> None:
         self.issues.append(PolicyIssue(self.file, node.start_mark.line + 1, message))
 
-    def interpolate(self, node: yaml.ScalarNode) -> str:
+    def interpolate(self, node: yaml.ScalarNode, path: str) -> str:
         def sub(m: re.Match[str]) -> str:
             name, default = m.group(1), m.group(2)
             if name in self.env:
                 return self.env[name]
             if default is not None:
                 return default
-            self.issue(node, f"environment variable {name} is not set")
+            self.issue(node, f"{path}: environment variable {name} is not set")
             return ""
 
+        # A `${` that does not start a well-formed `${NAME}` or `${NAME:-default}`
+        # (unterminated, nested, a bad name) would otherwise stay in the value
+        # as literal text, silently.
+        rest = _ENV_RE.sub("", node.value)
+        nested = any("${" in (m.group(2) or "") for m in _ENV_RE.finditer(node.value))
+        if "${" in rest or nested:
+            self.issue(
+                node,
+                f"{path}: malformed ${{...}}: write ${{NAME}} or ${{NAME:-default}} "
+                "(a default cannot contain '}' or another ${...})",
+            )
+            return ""
         return _ENV_RE.sub(sub, node.value)
 
-    def scalar(self, node: yaml.Node, path: str) -> Any:
-        """A scalar's value with YAML 1.1 typing applied after ${ENV} expansion."""
+    def resolve(self, text: str, plain: bool) -> str:
+        """The tag YAML gives a scalar without an explicit one."""
+        tag = self._resolver.resolve(  # type: ignore[no-untyped-call]
+            yaml.ScalarNode, text, (plain, not plain)
+        )
+        return str(tag)
+
+    def explicit_tag(self, node: yaml.Node, path: str) -> str | None:
+        """The node's explicit core tag (`!!str 80`), None when it has none;
+        an unsupported tag is an issue (and INVALID is returned)."""
+        if isinstance(node, yaml.ScalarNode):
+            plain = node.style is None
+            implicit = self.resolve(node.value, plain)
+            allowed = _SCALAR_TAGS
+        else:
+            implicit = f"{_CORE}map" if isinstance(node, yaml.MappingNode) else f"{_CORE}seq"
+            allowed = _COLLECTION_TAGS
+        if node.tag == implicit:
+            return None
+        if node.tag in allowed:
+            return str(node.tag)
+        self.issue(node, f"{path}: YAML tag {_short_tag(node.tag)} is not supported here")
+        return typing.cast(str, INVALID)
+
+    def typed(self, node: yaml.ScalarNode, tag: str, text: str, path: str) -> Any:
+        """`text` as the core type `tag` names (int, float, bool, null)."""
+        try:
+            return self._constructor.construct_object(yaml.ScalarNode(tag, text))
+        except ValueError as exc:
+            if "limit" in str(exc):  # more digits than int() accepts
+                self.issue(node, f"{path}: number too large, got {len(text)} characters")
+            else:
+                self.issue(node, f"{path}: {text!r} is not a valid {_short_tag(tag)}")
+        except yaml.YAMLError:
+            self.issue(node, f"{path}: {text!r} is not a valid {_short_tag(tag)}")
+        return INVALID
+
+    def scalar(self, node: yaml.Node, path: str, text_wanted: bool = False) -> Any:
+        """A scalar's value with YAML 1.1 typing applied after ${ENV} expansion.
+
+        Where text is wanted, a plain value is kept as written (`0123`, `1_000`,
+        `12:30` stay those characters, they are not numbers first)."""
         if not isinstance(node, yaml.ScalarNode):
             self.issue(node, f"{path}: expected a single value, got a {_kind(node)}")
             return INVALID
+        tag = self.explicit_tag(node, path)
+        if tag is INVALID:
+            return INVALID
+        has_env = "${" in node.value
         before = len(self.issues)
-        text = self.interpolate(node) if "${" in node.value else node.value
+        text = self.interpolate(node, path) if has_env else node.value
         if len(self.issues) != before:
             return INVALID
-        if node.style in ("'", '"'):
+        if tag is not None:
+            return text if tag == f"{_CORE}str" else self.typed(node, tag, text, path)
+        if node.style is not None and not (has_env and not text_wanted):
+            # Quoted (or block) text is text; a quoted `"${PORT}"` where a
+            # number goes is typed after expansion like a plain one.
             return text
         if text == "":
             # An empty ${VAR} means "empty text", not null.
-            return "" if "${" in node.value else None
+            return "" if has_env else None
         # Resolve the plain scalar's type as YAML would (int, float, bool, null);
-        # an expanded value that parses as a structure stays text.
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
+        # anything else (dates, an expanded value that looks like a structure)
+        # stays text.
+        resolved = self.resolve(text, True)
+        if resolved not in _TYPED or (text_wanted and resolved in (f"{_CORE}int", f"{_CORE}float")):
             return text
-        return value if not isinstance(value, dict | list) else text
+        return self.typed(node, resolved, text, path)
 
     def convert(self, node: yaml.Node, tp: Any, path: str, bounds: Bounds | None = None) -> Any:
+        self.budget -= 1
+        if self.budget < 0:
+            raise _TooLarge(node)
         origin = get_origin(tp)
         if origin is typing.Union or origin is types.UnionType:
             args = [a for a in get_args(tp) if a is not type(None)]
@@ -117,6 +224,8 @@ class Converter:
             return self.convert(node, args[0], path, bounds)
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return self.dataclass(node, tp, path)
+        if not isinstance(node, yaml.ScalarNode) and self.explicit_tag(node, path) is INVALID:
+            return INVALID
         if origin is tuple:
             (item_tp, _ellipsis) = get_args(tp)
             if isinstance(node, yaml.ScalarNode) and self.scalar(node, path) is None:
@@ -138,19 +247,21 @@ class Converter:
                 self.issue(node, f"{path}: {value!r} is not one of {choices}")
                 return INVALID
             return value
-        value = self.scalar(node, path)
+        value = self.scalar(node, path, text_wanted=tp is str)
         if value is INVALID:
             return value
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if tp is int and isinstance(value, float) and value.is_integer():
+            value = int(value)  # `20.0` is an integer (as JSON Schema has it)
         if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
             # Numbers where text is expected (tokens, names) are kept as written.
             return str(value)
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             self.issue(node, f"{path}: expected {_type_name(tp)}, got {value!r}")
             return INVALID
-        if tp is float and value != value:  # NaN passes every comparison
-            self.issue(node, f"{path}: expected a number, got {value!r}")
+        if tp is float and not math.isfinite(value):  # NaN passes every comparison
+            self.issue(node, f"{path}: expected a number, got {value!r} (not finite)")
             return INVALID
         if bounds is not None and tp in (int, float):
             why = bounds.violation(value)
@@ -163,14 +274,21 @@ class Converter:
         if not isinstance(node, yaml.MappingNode):
             self.issue(node, f"{path or 'policy'}: expected a mapping, got a {_kind(node)}")
             return typing.cast(T, INVALID)
+        if self.explicit_tag(node, path or "policy") is INVALID:
+            return typing.cast(T, INVALID)
         hints = get_type_hints(cls)
         fields = {f.name: f for f in public_fields(cls)}
         values: dict[str, Any] = {}
         seen: set[str] = set()
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is None:
+                self.issue(
+                    key_node, f"{path or 'policy'}: a key must be a name, got a {_kind(key_node)}"
+                )
+                continue
             where = f"{path}.{key}" if path else str(key)
-            if key is None or key not in fields:
+            if key not in fields:
                 known = ", ".join(sorted(fields))
                 self.issue(key_node, f"{where}: unknown key (known here: {known})")
                 continue
@@ -234,19 +352,42 @@ def _compose(text: str, file: str) -> yaml.Node | None:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
         raise PolicyError([PolicyIssue(file, line, f"YAML syntax: {exc.problem}")]) from None
-    except (yaml.YAMLError, RecursionError) as exc:
+    except yaml.reader.ReaderError as exc:  # NUL and other characters YAML forbids
+        line = text[: exc.position].count("\n") + 1
+        why = f"YAML: character {chr(exc.character)!r} is not allowed in a YAML file"
+        raise PolicyError([PolicyIssue(file, line, why)]) from None
+    except RecursionError:
+        why = "YAML: nested too deeply (lists or mappings inside each other)"
+        raise PolicyError([PolicyIssue(file, 1, why)]) from None
+    except yaml.YAMLError as exc:
         raise PolicyError([PolicyIssue(file, 1, f"YAML: {type(exc).__name__}")]) from None
+
+
+def _budget(root: yaml.Node) -> int:
+    return max(_MIN_BUDGET, _EXPANSION * _count_nodes(root))
+
+
+def _convert(conv: Converter, root: yaml.Node, cls: type[T]) -> T:
+    try:
+        return conv.dataclass(root, cls, "")
+    except _TooLarge as exc:
+        line = exc.node.start_mark.line + 1
+        message = (
+            "YAML aliases expand this file to more values than it may hold "
+            f"(over {_EXPANSION}x its own size): write the repeated parts out"
+        )
+        raise PolicyError([PolicyIssue(conv.file, line, message)]) from None
 
 
 def parse_policy(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> Policy:
     """Parse and validate policy text; raise PolicyError listing every issue."""
     from proxy.policy.checks import cross_checks
 
-    conv = Converter(file, os.environ if env is None else env)
     root = _compose(text, file)
     if root is None:
         raise PolicyError([PolicyIssue(file, 1, "backends.primary: empty policy, but required")])
-    policy = conv.dataclass(root, Policy, "")
+    conv = Converter(file, os.environ if env is None else env, _budget(root))
+    policy = _convert(conv, root, Policy)
     if policy is not INVALID:
         cross_checks(policy, root, conv)
     if conv.issues:
@@ -271,9 +412,13 @@ def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Polic
 
 def _read_text(p: Path) -> str:
     try:
-        raw = p.read_bytes()
+        with p.open("rb") as f:  # bounded: `/dev/zero` or a runaway file must not hang
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise PolicyError([PolicyIssue(str(p), 1, f"cannot read file: {exc.strerror}")]) from None
+    if len(raw) > MAX_FILE_BYTES:
+        why = f"file is larger than {MAX_FILE_BYTES // 2**20} MiB"
+        raise PolicyError([PolicyIssue(str(p), 1, why)])
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -282,11 +427,11 @@ def _read_text(p: Path) -> str:
 
 
 def _parse_faq(text: str, file: str) -> FaqFile:
-    conv = Converter(file, {})
     root = _compose(text, file)
     if root is None:
         return FaqFile()
-    faq = conv.dataclass(root, FaqFile, "")
+    conv = Converter(file, {}, _budget(root))
+    faq = _convert(conv, root, FaqFile)
     if conv.issues:
         raise PolicyError(sorted(conv.issues, key=lambda i: i.line))
     return faq
