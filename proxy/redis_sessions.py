@@ -41,12 +41,7 @@ def _wtf8_or_replace(exc: UnicodeError) -> tuple[str, int]:
     if not isinstance(exc, UnicodeDecodeError):
         raise exc
     b, i = exc.object, exc.start
-    if (
-        i + 2 < len(b)
-        and b[i] == 0xED
-        and 0xA0 <= b[i + 1] <= 0xBF
-        and 0x80 <= b[i + 2] <= 0xBF
-    ):
+    if i + 2 < len(b) and b[i] == 0xED and 0xA0 <= b[i + 1] <= 0xBF and 0x80 <= b[i + 2] <= 0xBF:
         return chr(0xD000 | ((b[i + 1] & 0x3F) << 6) | (b[i + 2] & 0x3F)), i + 3
     return "\ufffd", i + 1
 
