@@ -50,6 +50,10 @@ class PolicyError(Exception):
 
 MAX_FILE_BYTES = 16 * 2**20
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# A `${` that does not start `${NAME}` or `${NAME:-default}` with a default
+# free of `}` and `${` (also in the JSON Schema, as an ECMA-262 pattern).
+MALFORMED_ENV = r"\$\{(?![A-Za-z_][A-Za-z0-9_]*(?::-(?:[^}$]|\$(?!\{))*)?\})"
+MALFORMED_ENV_RE = re.compile(MALFORMED_ENV)
 T = TypeVar("T")
 
 
@@ -129,9 +133,7 @@ class Converter:
         # A `${` that does not start a well-formed `${NAME}` or `${NAME:-default}`
         # (unterminated, nested, a bad name) would otherwise stay in the value
         # as literal text, silently.
-        rest = _ENV_RE.sub("", node.value)
-        nested = any("${" in (m.group(2) or "") for m in _ENV_RE.finditer(node.value))
-        if "${" in rest or nested:
+        if MALFORMED_ENV_RE.search(node.value):
             self.issue(
                 node,
                 f"{path}: malformed ${{...}}: write ${{NAME}} or ${{NAME:-default}} "

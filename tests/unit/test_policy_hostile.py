@@ -268,3 +268,24 @@ def test_an_api_key_from_the_environment_is_redacted_in_the_diff() -> None:
     new = parse_policy(PRIMARY + "    api_key: ${KEY}\n", env={"KEY": "0123s3cret"})
     assert new.backends.primary.api_key == "0123s3cret"
     assert policy_diff(old, new) == ["~ backends.primary.api_key: None -> '<redacted>'"]
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        "server:\n  host: '${FOO'\n",
+        "server:\n  host: '${FOO:-${BAR}}'\n",
+        "server:\n  port: '${FOO:-${BAR}}'\n",
+        "server:\n  api_keys: ['a${}']\n",
+    ],
+)
+def test_schema_and_validator_both_refuse_a_malformed_placeholder(section: str) -> None:
+    with pytest.raises(PolicyError):
+        parse_policy(PRIMARY + section, env={"FOO": "1", "BAR": "2"})
+    assert _schema_errors(PRIMARY + section), section
+
+
+def test_schema_accepts_well_formed_placeholders_in_text() -> None:
+    section = "server:\n  host: '${FOO:-a$b}x'\n  admin_token: '$${T}'\n  port: '${P:-80}'\n"
+    parse_policy(PRIMARY + section, env={"T": "t"})
+    assert _schema_errors(PRIMARY + section) == []
