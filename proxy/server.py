@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -12,7 +13,7 @@ from aiohttp import web
 from proxy.app import create_app
 from proxy.keys import STATE
 from proxy.logs import configure_logging
-from proxy.policy import Policy
+from proxy.policy import Policy, redact_url
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -29,14 +30,7 @@ def run(policy: Policy, host: str | None = None, port: int | None = None) -> Non
     host = host or policy.server.host
     port = port or policy.server.port
     log = structlog.get_logger("brownout")
-    log.info(
-        "starting",
-        host=host,
-        port=port,
-        policy=policy.source,
-        primary=policy.backends.primary.url,
-        fallback=policy.backends.fallback.url if policy.backends.fallback else None,
-    )
+    log.info("starting", **starting_fields(policy, host, port))
     loop = _new_loop()
     asyncio.set_event_loop(loop)
     app = create_app(policy)
@@ -54,6 +48,18 @@ def run(policy: Policy, host: str | None = None, port: int | None = None) -> Non
         shutdown_timeout=policy.server.shutdown_grace_s,
         print=None,
     )
+
+
+def starting_fields(policy: Policy, host: str, port: int) -> dict[str, Any]:
+    """The `starting` log line: backend URLs without their `user:password@`."""
+    fallback = policy.backends.fallback
+    return {
+        "host": host,
+        "port": port,
+        "policy": policy.source,
+        "primary": redact_url(policy.backends.primary.url),
+        "fallback": redact_url(fallback.url) if fallback is not None else None,
+    }
 
 
 async def _freeze_startup_objects(app: web.Application) -> None:

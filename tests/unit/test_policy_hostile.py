@@ -289,3 +289,16 @@ def test_schema_accepts_well_formed_placeholders_in_text() -> None:
     section = "server:\n  host: '${FOO:-a$b}x'\n  admin_token: '$${T}'\n  port: '${P:-80}'\n"
     parse_policy(PRIMARY + section, env={"T": "t"})
     assert _schema_errors(PRIMARY + section) == []
+
+
+def test_the_starting_log_line_shows_no_backend_password() -> None:
+    from proxy.server import starting_fields
+
+    p = parse_policy(
+        "backends:\n  primary:\n    url: http://u:s3cret@h:8000\n"
+        "  fallback:\n    url: 'http://u:s3cret@h:8001'\n",
+        env={},
+    )
+    fields = starting_fields(p, "127.0.0.1", 8080)
+    assert fields["primary"] == "http://***@h:8000"
+    assert "s3cret" not in repr(fields)
