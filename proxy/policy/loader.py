@@ -246,21 +246,25 @@ class Converter:
                 return value
             if value not in allowed:
                 choices = " | ".join(str(a) for a in allowed)
-                self.issue(node, f"{path}: {value!r} is not one of {choices}")
+                self.issue(node, f"{path}: {_shown(value)} is not one of {choices}")
                 return INVALID
             return value
         value = self.scalar(node, path, text_wanted=tp is str)
         if value is INVALID:
             return value
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # beyond any float: 400 digits
+                self.issue(node, f"{path}: number too large, got {len(str(value))} digits")
+                return INVALID
         if tp is int and isinstance(value, float) and value.is_integer():
             value = int(value)  # `20.0` is an integer (as JSON Schema has it)
         if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
             # Numbers where text is expected (tokens, names) are kept as written.
             return str(value)
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            self.issue(node, f"{path}: expected {_type_name(tp)}, got {value!r}")
+            self.issue(node, f"{path}: expected {_type_name(tp)}, got {_shown(value)}")
             return INVALID
         if tp is float and not math.isfinite(value):  # NaN passes every comparison
             self.issue(node, f"{path}: expected a number, got {value!r} (not finite)")
@@ -331,6 +335,12 @@ class Converter:
         except (TypeError, ValueError) as exc:
             self.issue(node, f"{path or 'policy'}: {exc}")
             return typing.cast(T, INVALID)
+
+
+def _shown(value: Any) -> str:
+    """A value in a message, cut to a line (a 4000-digit number, a long text)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _kind(node: yaml.Node) -> str:

@@ -302,3 +302,17 @@ def test_the_starting_log_line_shows_no_backend_password() -> None:
     fields = starting_fields(p, "127.0.0.1", 8080)
     assert fields["primary"] == "http://***@h:8000"
     assert "s3cret" not in repr(fields)
+
+
+@pytest.mark.parametrize(
+    ("section", "path"),
+    [
+        ("server:\n  body_timeout_s: {big}\n", "server.body_timeout_s"),
+        ("ladder:\n  recovery:\n    ramp: [{big}]\n", "ladder.recovery.ramp[0]"),
+        ("faq:\n  threshold: -{big}\n", "faq.threshold"),
+    ],
+)
+def test_an_integer_beyond_any_float_where_a_number_goes(section: str, path: str) -> None:
+    # float(10**400) raised OverflowError: a traceback from `brownout check`.
+    (line,) = errors(PRIMARY + section.format(big="9" * 400))
+    assert line.startswith("p.yaml:") and f": {path}: number too large" in line, line
