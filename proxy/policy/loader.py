@@ -276,6 +276,43 @@ class Converter:
                 return INVALID
         return value
 
+    def pairs(
+        self, node: yaml.MappingNode, path: str, inside: tuple[int, ...]
+    ) -> list[tuple[yaml.Node, yaml.Node]]:
+        """The mapping's key/value pairs with YAML merge keys (`<<: *base`,
+        `<<: [*a, *b]`) applied: keys written here win over merged ones, and
+        an earlier merged mapping wins over a later one (as PyYAML, and so the
+        JSON Schema's view of the file, has it)."""
+        own: list[tuple[yaml.Node, yaml.Node]] = []
+        merged: list[tuple[yaml.Node, yaml.Node]] = []
+        for key_node, value_node in node.value:
+            if key_node.tag != f"{_CORE}merge":
+                own.append((key_node, value_node))
+                continue
+            sources = (
+                value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            )
+            for src in sources:
+                if not isinstance(src, yaml.MappingNode):
+                    self.issue(src, f"{path}.<<: can only merge a mapping, got a {_kind(src)}")
+                elif id(src) in inside or id(node) == id(src):
+                    self.issue(src, f"{path}.<<: a mapping cannot merge itself")
+                else:
+                    self.budget -= len(src.value)
+                    if self.budget < 0:
+                        raise _TooLarge(src)
+                    merged += self.pairs(src, path, (*inside, id(node)))
+        if not merged:
+            return own
+        written = {k.value for k, _ in own if isinstance(k, yaml.ScalarNode)}
+        for key_node, value_node in merged:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is None or key not in written:
+                own.append((key_node, value_node))
+                if key is not None:
+                    written.add(key)
+        return own
+
     def dataclass(self, node: yaml.Node, cls: type[T], path: str) -> T:
         if not isinstance(node, yaml.MappingNode):
             self.issue(node, f"{path or 'policy'}: expected a mapping, got a {_kind(node)}")
@@ -286,7 +323,7 @@ class Converter:
         fields = {f.name: f for f in public_fields(cls)}
         values: dict[str, Any] = {}
         seen: set[str] = set()
-        for key_node, value_node in node.value:
+        for key_node, value_node in self.pairs(node, path or "policy", ()):
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             if key is None:
                 self.issue(

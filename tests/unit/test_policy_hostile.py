@@ -316,3 +316,46 @@ def test_an_integer_beyond_any_float_where_a_number_goes(section: str, path: str
     # float(10**400) raised OverflowError: a traceback from `brownout check`.
     (line,) = errors(PRIMARY + section.format(big="9" * 400))
     assert line.startswith("p.yaml:") and f": {path}: number too large" in line, line
+
+
+MERGED = """\
+backends:
+  primary: &primary
+    url: http://127.0.0.1:8000
+    model: m
+    timeouts: &t {connect_s: 1, idle_s: 20}
+  fallback:
+    <<: *primary
+    url: http://127.0.0.1:8001
+    timeouts: {<<: *t, first_byte_s: 30}
+"""
+
+
+def test_yaml_merge_keys_work_as_the_schema_sees_them() -> None:
+    # `<<: *base` was "unknown key" for the validator, fine for the schema.
+    assert _schema_errors(MERGED) == []
+    p = parse_policy(MERGED, env={})
+    fb = p.backends.fallback
+    assert fb is not None
+    assert (fb.url, fb.model) == ("http://127.0.0.1:8001", "m")
+    assert (fb.timeouts.connect_s, fb.timeouts.first_byte_s, fb.timeouts.idle_s) == (1, 30, 20)
+    assert p.backends.primary.timeouts.first_byte_s == 60  # merging copies, never writes back
+
+
+def test_a_merge_key_bomb_is_refused_quickly() -> None:
+    levels = ["l0: &l0 {connect_s: 1}"]
+    for i in range(1, 9):
+        refs = ", ".join([f"*l{i - 1}"] * 10)
+        levels.append(f"l{i}: &l{i} {{<<: [{refs}]}}")
+    text = (
+        "x:\n" + "".join(f"  {line}\n" for line in levels) + PRIMARY + "    timeouts: {<<: *l8}\n"
+    )
+    started = time.monotonic()
+    lines = errors(text)
+    assert time.monotonic() - started < 5
+    assert any("YAML aliases expand this file" in line for line in lines), lines
+
+
+def test_a_mapping_that_merges_itself_is_an_error() -> None:
+    (line,) = errors("backends:\n  primary: &p\n    url: http://h:1\n    <<: *p\n")
+    assert line == "p.yaml:2: backends.primary.<<: a mapping cannot merge itself"
