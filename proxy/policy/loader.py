@@ -16,7 +16,6 @@ import re
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -25,30 +24,35 @@ import yaml
 from proxy.policy.faq import FaqFile
 from proxy.policy.knobs import Bounds
 from proxy.policy.schema import Policy, public_fields
+from proxy.policy.yamlfile import (
+    COLLECTION_TAGS,
+    CORE,
+    EXPANSION,
+    MAX_FILE_BYTES,
+    MIN_BUDGET,
+    SCALAR_TAGS,
+    TYPED,
+    PolicyError,
+    PolicyIssue,
+    TooLarge,
+    compose,
+    count_nodes,
+    kind,
+    read_text,
+    short_tag,
+)
+
+__all__ = [
+    "MALFORMED_ENV",
+    "MAX_FILE_BYTES",
+    "Converter",
+    "PolicyError",
+    "PolicyIssue",
+    "load_policy",
+    "parse_policy",
+]
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyIssue:
-    file: str
-    line: int  # 1-based
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.message}"
-
-
-class PolicyError(Exception):
-    """A policy file that cannot be used; carries every issue found."""
-
-    def __init__(self, issues: list[PolicyIssue]) -> None:
-        self.issues = issues
-        super().__init__("\n".join(str(i) for i in issues))
-
-    def lines(self) -> list[str]:
-        return [str(i) for i in self.issues]
-
-
-MAX_FILE_BYTES = 16 * 2**20
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 # A `${` that does not start `${NAME}` or `${NAME:-default}` with a default
 # free of `}` and `${` (also in the JSON Schema, as an ECMA-262 pattern).
@@ -65,49 +69,10 @@ class _Invalid:
 INVALID: Any = _Invalid()
 
 
-_CORE = "tag:yaml.org,2002:"
-# Explicit tags a policy may carry: the core schema's scalar types (their
-# value is typed by the tag, not guessed); anything else (`!!binary`,
-# `!!python/object:...`, `!!set`, custom `!foo`) is refused.
-_SCALAR_TAGS = {f"{_CORE}{t}" for t in ("str", "int", "float", "bool", "null")}
-_COLLECTION_TAGS = {f"{_CORE}map", f"{_CORE}seq"}
-_TYPED = {f"{_CORE}{t}" for t in ("int", "float", "bool", "null")}
-# A file without aliases visits each node once; aliases may repeat a node
-# (shared settings), but not multiply the work without bound (a "billion
-# laughs" file of a few KB would otherwise hang `check` and reloads).
-_EXPANSION = 10
-_MIN_BUDGET = 100_000
-
-
-class _TooLarge(Exception):
-    def __init__(self, node: yaml.Node) -> None:
-        self.node = node
-
-
-def _count_nodes(root: yaml.Node) -> int:
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                stack += (k, v)
-        elif isinstance(node, yaml.SequenceNode):
-            stack += node.value
-    return len(seen)
-
-
-def _short_tag(tag: str) -> str:
-    return "!!" + tag[len(_CORE) :] if tag.startswith(_CORE) else tag
-
-
 class Converter:
     """Walks a YAML node tree against a dataclass schema, collecting issues."""
 
-    def __init__(self, file: str, env: Mapping[str, str], budget: int = _MIN_BUDGET) -> None:
+    def __init__(self, file: str, env: Mapping[str, str], budget: int = MIN_BUDGET) -> None:
         self.file = file
         self.env = env
         self.issues: list[PolicyIssue] = []
@@ -155,15 +120,15 @@ class Converter:
         if isinstance(node, yaml.ScalarNode):
             plain = node.style is None
             implicit = self.resolve(node.value, plain)
-            allowed = _SCALAR_TAGS
+            allowed = SCALAR_TAGS
         else:
-            implicit = f"{_CORE}map" if isinstance(node, yaml.MappingNode) else f"{_CORE}seq"
-            allowed = _COLLECTION_TAGS
+            implicit = f"{CORE}map" if isinstance(node, yaml.MappingNode) else f"{CORE}seq"
+            allowed = COLLECTION_TAGS
         if node.tag == implicit:
             return None
         if node.tag in allowed:
             return str(node.tag)
-        self.issue(node, f"{path}: YAML tag {_short_tag(node.tag)} is not supported here")
+        self.issue(node, f"{path}: YAML tag {short_tag(node.tag)} is not supported here")
         return typing.cast(str, INVALID)
 
     def typed(self, node: yaml.ScalarNode, tag: str, text: str, path: str) -> Any:
@@ -174,9 +139,9 @@ class Converter:
             if "limit" in str(exc):  # more digits than int() accepts
                 self.issue(node, f"{path}: number too large, got {len(text)} characters")
             else:
-                self.issue(node, f"{path}: {text!r} is not a valid {_short_tag(tag)}")
+                self.issue(node, f"{path}: {text!r} is not a valid {short_tag(tag)}")
         except yaml.YAMLError:
-            self.issue(node, f"{path}: {text!r} is not a valid {_short_tag(tag)}")
+            self.issue(node, f"{path}: {text!r} is not a valid {short_tag(tag)}")
         return INVALID
 
     def scalar(self, node: yaml.Node, path: str, text_wanted: bool = False) -> Any:
@@ -185,7 +150,7 @@ class Converter:
         Where text is wanted, a plain value is kept as written (`0123`, `1_000`,
         `12:30` stay those characters, they are not numbers first)."""
         if not isinstance(node, yaml.ScalarNode):
-            self.issue(node, f"{path}: expected a single value, got a {_kind(node)}")
+            self.issue(node, f"{path}: expected a single value, got a {kind(node)}")
             return INVALID
         tag = self.explicit_tag(node, path)
         if tag is INVALID:
@@ -196,7 +161,7 @@ class Converter:
         if len(self.issues) != before:
             return INVALID
         if tag is not None:
-            return text if tag == f"{_CORE}str" else self.typed(node, tag, text, path)
+            return text if tag == f"{CORE}str" else self.typed(node, tag, text, path)
         if node.style is not None and not (has_env and not text_wanted):
             # Quoted (or block) text is text; a quoted `"${PORT}"` where a
             # number goes is typed after expansion like a plain one.
@@ -208,14 +173,14 @@ class Converter:
         # anything else (dates, an expanded value that looks like a structure)
         # stays text.
         resolved = self.resolve(text, True)
-        if resolved not in _TYPED or (text_wanted and resolved in (f"{_CORE}int", f"{_CORE}float")):
+        if resolved not in TYPED or (text_wanted and resolved in (f"{CORE}int", f"{CORE}float")):
             return text
         return self.typed(node, resolved, text, path)
 
     def convert(self, node: yaml.Node, tp: Any, path: str, bounds: Bounds | None = None) -> Any:
         self.budget -= 1
         if self.budget < 0:
-            raise _TooLarge(node)
+            raise TooLarge(node)
         origin = get_origin(tp)
         if origin is typing.Union or origin is types.UnionType:
             args = [a for a in get_args(tp) if a is not type(None)]
@@ -233,7 +198,7 @@ class Converter:
             if isinstance(node, yaml.ScalarNode) and self.scalar(node, path) is None:
                 return ()
             if not isinstance(node, yaml.SequenceNode):
-                self.issue(node, f"{path}: expected a list, got a {_kind(node)}")
+                self.issue(node, f"{path}: expected a list, got a {kind(node)}")
                 return INVALID
             items = tuple(
                 self.convert(n, item_tp, f"{path}[{i}]", bounds) for i, n in enumerate(node.value)
@@ -286,7 +251,7 @@ class Converter:
         own: list[tuple[yaml.Node, yaml.Node]] = []
         merged: list[tuple[yaml.Node, yaml.Node]] = []
         for key_node, value_node in node.value:
-            if key_node.tag != f"{_CORE}merge":
+            if key_node.tag != f"{CORE}merge":
                 own.append((key_node, value_node))
                 continue
             sources = (
@@ -294,13 +259,13 @@ class Converter:
             )
             for src in sources:
                 if not isinstance(src, yaml.MappingNode):
-                    self.issue(src, f"{path}.<<: can only merge a mapping, got a {_kind(src)}")
+                    self.issue(src, f"{path}.<<: can only merge a mapping, got a {kind(src)}")
                 elif id(src) in inside or id(node) == id(src):
                     self.issue(src, f"{path}.<<: a mapping cannot merge itself")
                 else:
                     self.budget -= len(src.value)
                     if self.budget < 0:
-                        raise _TooLarge(src)
+                        raise TooLarge(src)
                     merged += self.pairs(src, path, (*inside, id(node)))
         if not merged:
             return own
@@ -315,7 +280,7 @@ class Converter:
 
     def dataclass(self, node: yaml.Node, cls: type[T], path: str) -> T:
         if not isinstance(node, yaml.MappingNode):
-            self.issue(node, f"{path or 'policy'}: expected a mapping, got a {_kind(node)}")
+            self.issue(node, f"{path or 'policy'}: expected a mapping, got a {kind(node)}")
             return typing.cast(T, INVALID)
         if self.explicit_tag(node, path or "policy") is INVALID:
             return typing.cast(T, INVALID)
@@ -327,7 +292,7 @@ class Converter:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             if key is None:
                 self.issue(
-                    key_node, f"{path or 'policy'}: a key must be a name, got a {_kind(key_node)}"
+                    key_node, f"{path or 'policy'}: a key must be a name, got a {kind(key_node)}"
                 )
                 continue
             where = f"{path}.{key}" if path else str(key)
@@ -380,50 +345,24 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _kind(node: yaml.Node) -> str:
-    if isinstance(node, yaml.MappingNode):
-        return "mapping"
-    if isinstance(node, yaml.SequenceNode):
-        return "list"
-    return "value"
-
-
 def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
 
 
-def _compose(text: str, file: str) -> yaml.Node | None:
-    try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 1
-        raise PolicyError([PolicyIssue(file, line, f"YAML syntax: {exc.problem}")]) from None
-    except yaml.reader.ReaderError as exc:  # NUL and other characters YAML forbids
-        line = text[: exc.position].count("\n") + 1
-        why = f"YAML: character {chr(exc.character)!r} is not allowed in a YAML file"
-        raise PolicyError([PolicyIssue(file, line, why)]) from None
-    except RecursionError:
-        why = "YAML: nested too deeply (lists or mappings inside each other)"
-        raise PolicyError([PolicyIssue(file, 1, why)]) from None
-    except yaml.YAMLError as exc:
-        raise PolicyError([PolicyIssue(file, 1, f"YAML: {type(exc).__name__}")]) from None
-
-
 def _budget(root: yaml.Node) -> int:
-    return max(_MIN_BUDGET, _EXPANSION * _count_nodes(root))
+    return max(MIN_BUDGET, EXPANSION * count_nodes(root))
 
 
 def _convert(conv: Converter, root: yaml.Node, cls: type[T]) -> T:
     try:
         return conv.dataclass(root, cls, "")
-    except _TooLarge as exc:
+    except TooLarge as exc:
         line = exc.node.start_mark.line + 1
         message = (
             "YAML aliases expand this file to more values than it may hold "
-            f"(over {_EXPANSION}x its own size): write the repeated parts out"
+            f"(over {EXPANSION}x its own size): write the repeated parts out"
         )
         raise PolicyError([PolicyIssue(conv.file, line, message)]) from None
 
@@ -432,7 +371,7 @@ def parse_policy(text: str, file: str = "<string>", env: Mapping[str, str] | Non
     """Parse and validate policy text; raise PolicyError listing every issue."""
     from proxy.policy.checks import cross_checks
 
-    root = _compose(text, file)
+    root = compose(text, file)
     if root is None:
         raise PolicyError([PolicyIssue(file, 1, "backends.primary: empty policy, but required")])
     conv = Converter(file, os.environ if env is None else env, _budget(root))
@@ -448,10 +387,10 @@ def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Polic
     """Read a policy file and the files it names (blocking I/O: call at start-up
     or from a thread)."""
     p = Path(path)
-    policy = parse_policy(_read_text(p), str(p), env)
+    policy = parse_policy(read_text(p), str(p), env)
     if policy.faq.file:
         faq_path = p.parent / policy.faq.file
-        faq = _parse_faq(_read_text(faq_path), str(faq_path))
+        faq = _parse_faq(read_text(faq_path), str(faq_path))
         policy = dataclasses.replace(
             policy,
             faq=dataclasses.replace(policy.faq, entries=faq.entries + policy.faq.entries),
@@ -459,24 +398,8 @@ def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Polic
     return policy
 
 
-def _read_text(p: Path) -> str:
-    try:
-        with p.open("rb") as f:  # bounded: `/dev/zero` or a runaway file must not hang
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise PolicyError([PolicyIssue(str(p), 1, f"cannot read file: {exc.strerror}")]) from None
-    if len(raw) > MAX_FILE_BYTES:
-        why = f"file is larger than {MAX_FILE_BYTES // 2**20} MiB"
-        raise PolicyError([PolicyIssue(str(p), 1, why)])
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise PolicyError([PolicyIssue(str(p), line, "file is not valid UTF-8")]) from None
-
-
 def _parse_faq(text: str, file: str) -> FaqFile:
-    root = _compose(text, file)
+    root = compose(text, file)
     if root is None:
         return FaqFile()
     conv = Converter(file, {}, _budget(root))
