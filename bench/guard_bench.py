@@ -16,9 +16,9 @@ import json
 import time
 from collections.abc import Callable
 
-from proxy.guard import Guard
+from proxy.guard.core import Guard
+from proxy.openai.sse import SSEFramer
 from proxy.policy import GuardPolicy, MalformedRule, RepetitionRule
-from proxy.sse import SSEFramer
 
 ANSWER = (
     "Sure! Here is a short explanation of how continuous batching works in vLLM.\n\n"

@@ -11,9 +11,9 @@ import atheris
 
 with atheris.instrument_imports():
     from proxy.errors import RequestRejected
-    from proxy.guard import Guard, GuardPolicy, Trip
-    from proxy.sse import SSEFramer, SSEParser
-    from proxy.validate import parse_body
+    from proxy.guard.core import Guard, GuardPolicy, Trip
+    from proxy.openai.sse import SSEFramer, SSEParser
+    from proxy.ingress.validate import parse_body
 
 GUARD = Guard(GuardPolicy())
 

@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from proxy import handlers
-from proxy.keys import STATE
-from proxy.loops import wanted_loops
-from proxy.metrics import Metrics
+from proxy.ingress import middleware
+from proxy.ingress.routes import add_routes
+from proxy.ops.statuspage import setup_status_page
 from proxy.policy import Policy
-from proxy.state import ProxyState
-from proxy.statuspage import setup_status_page
+from proxy.runtime.keys import STATE
+from proxy.runtime.loops import wanted_loops
+from proxy.runtime.state import ProxyState
+from proxy.telemetry.metrics import Metrics
 
 
 def create_app(policy: Policy, clock: Callable[[], float] = time.monotonic) -> web.Application:
@@ -23,16 +24,8 @@ def create_app(policy: Policy, clock: Callable[[], float] = time.monotonic) -> w
     app.cleanup_ctx.append(_state)
     app.cleanup_ctx.append(_loops)
 
-    r = app.router
-    r.add_post("/v1/chat/completions", handlers.chat_completions)
-    r.add_post("/v1/completions", handlers.completions)
-    r.add_route("*", "/v1/{tail:.*}", handlers.passthrough)
-    r.add_get("/healthz", handlers.healthz)
-    r.add_get("/readyz", handlers.readyz)
-    r.add_get("/metrics", handlers.metrics)
-    r.add_get("/brownout/status", handlers.status)
-    r.add_post("/brownout/tier", handlers.force_tier)
-    r.add_post("/brownout/reload", handlers.reload_policy)
+    middleware.install(app)
+    add_routes(app)  # every route is a row of proxy.ingress.routes.ROUTES
     setup_status_page(app)
     return app
 
@@ -46,7 +39,7 @@ async def _state(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _loops(app: web.Application) -> AsyncIterator[None]:
-    """The background work (`proxy.loops`): ladder windows, vLLM scrapes,
+    """The background work (`proxy.runtime.loops`): ladder windows, vLLM scrapes,
     pending saves, shared state, file watch — supervised, and reconciled
     with the policy on every reload."""
     state = app[STATE]

@@ -84,7 +84,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_reload(args: argparse.Namespace) -> int:
-    from proxy.adminclient import render, request_reload
+    from proxy.ops.adminclient import render, request_reload
 
     token = args.token if args.token is not None else os.environ.get("BROWNOUT_ADMIN_TOKEN")
     rc, out, err = render(request_reload(args.url, token, args.timeout))
@@ -209,11 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights dtype",
     )
     fb.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "batched", "threads"],
+        help="batched: Transformers continuous batching; threads: one generate() per slot; "
+        "auto: batched on cuda, threads on cpu",
+    )
+    fb.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="batched engine: capture CUDA graphs (auto: on with --device cuda)",
+    )
+    fb.add_argument(
         "--max-concurrency",
         metavar="N",
         type=int,
-        default=1,
-        help="generations running at the same time",
+        default=None,
+        help="generations running at the same time (default: from the device's free memory "
+        "and the model's KV size)",
     )
     fb.add_argument(
         "--max-queue",

@@ -1,23 +1,15 @@
-"""OpenAI-shaped error responses.
-
-Every error the proxy itself produces has the body
-`{"error": {"message", "type", "param", "code"}}` that the OpenAI SDKs and
-vLLM use, so a client handles ours and the backend's alike.
-"""
+"""OpenAI error objects as aiohttp responses (the object itself is
+`proxy.openai.errors`, sans-IO)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from aiohttp import web
 
-JSON_CT = "application/json"
+from proxy.openai.errors import JSON_CT, error_body
 
-
-def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:
-    obj = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return json.dumps(obj, ensure_ascii=False).encode()
+__all__ = ["JSON_CT", "RequestRejected", "error_body", "error_response"]
 
 
 def error_response(
@@ -40,14 +32,28 @@ def error_response(
 class RequestRejected(Exception):
     """A client request that fails validation; becomes a 4xx error response."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        *,
+        type_: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.type_ = type_
 
     def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
         return error_response(
-            self.status, self.message, code=self.code, param=self.param, headers=headers
+            self.status,
+            self.message,
+            type_=self.type_,
+            code=self.code,
+            param=self.param,
+            headers=headers,
         )

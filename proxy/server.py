@@ -11,9 +11,10 @@ import structlog
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.keys import STATE
-from proxy.logs import configure_logging
+from proxy.ingress.listen import GuardedSite
 from proxy.policy import Policy, redact_url
+from proxy.runtime.keys import STATE
+from proxy.telemetry.logs import configure_logging
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -36,18 +37,64 @@ def run(policy: Policy, host: str | None = None, port: int | None = None) -> Non
     app = create_app(policy)
     app.on_startup.append(_reload_on_sighup)
     app.on_startup.append(_freeze_startup_objects)
-    web.run_app(
+    try:
+        loop.run_until_complete(serve(app, host, port, policy.server.shutdown_grace_s))
+    finally:
+        _cancel_remaining(loop)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+async def serve(app: web.Application, host: str, port: int, shutdown_grace_s: float) -> None:
+    """Serve `app` until SIGINT or SIGTERM, then shut down gracefully: stop
+    listening, give in-flight requests `shutdown_grace_s`, run the cleanups.
+    (`web.run_app`, but on a site with the header deadline.)"""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(
         app,
-        host=host,
-        port=port,
-        loop=loop,
         access_log=None,  # one structured line per request is logged instead
         # Cancel the handler when the client goes away, so the upstream
         # request is closed at once and vLLM frees the sequence's KV cache.
         handler_cancellation=True,
-        shutdown_timeout=policy.server.shutdown_grace_s,
-        print=None,
+        shutdown_timeout=shutdown_grace_s,
+        keepalive_timeout=75.0,  # idle keep-alive (nginx's upstream pool: 60 s)
     )
+    await runner.setup()
+    try:
+        await start_site(runner, app, host, port)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def start_site(
+    runner: web.AppRunner, app: web.Application, host: str, port: int
+) -> GuardedSite:
+    """Listen on host:port with the policy's header deadline (re-read for
+    each new connection, so a reload changes it)."""
+    state = app[STATE]
+    site = GuardedSite(
+        runner,
+        host,
+        port,
+        header_timeout_s=lambda: state.current.policy.server.header_timeout_s,
+        on_timeout=lambda: state.current.metrics.header_timeouts.inc(),
+    )
+    await site.start()
+    return site
+
+
+def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
 def starting_fields(policy: Policy, host: str, port: int) -> dict[str, Any]:

@@ -8,7 +8,8 @@ What gets written (≈ 3 MB):
 
 - a byte-level BPE tokenizer trained with ``tokenizers`` on the English text
   embedded below, saved as a ``PreTrainedTokenizerFast`` with a ChatML chat
-  template (``<|im_start|>role\\ncontent<|im_end|>\\n``; eos = ``<|im_end|>``);
+  template (``<|im_start|>role\\ncontent<|im_end|>\\n``; eos = ``<|im_end|>``)
+  that also renders tools and tool calls the Hermes way (``<tool_call>``);
 - a 2-layer Llama (hidden 128, head_dim 64 — vLLM's CPU attention kernel
   needs head_dim ≥ 32) with random float32 weights in safetensors;
 - ``generation_config.json`` whose eos is ``<|im_end|>``, so generation stops
@@ -42,8 +43,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Bump when the output changes (tokenizer corpus, architecture, files):
-#: caches key on it (e.g. ``~/.cache/brownout/tiny-model-v1``).
-TINY_MODEL_VERSION = 1
+#: caches key on it (e.g. ``~/.cache/brownout/tiny-model-v2``).
+#: v2: the chat template renders tools, tool calls and tool results (Hermes style).
+TINY_MODEL_VERSION = 2
 
 MARKER_FILE = "brownout-tiny-model.json"
 
@@ -51,12 +53,57 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 
 VOCAB_SIZE = 1536
 
-# The usual ChatML template. Every message ends with "<|im_end|>\n", which is
-# what transformers' and vLLM's `continue_final_message` expect: they render
-# the template, then cut the text right after the final message's content.
+# The usual ChatML template with the Hermes/Qwen2.5 tools section. Every message
+# ends with "<|im_end|>\n", which is what transformers' and vLLM's
+# `continue_final_message` expect: they render the template, then cut the text
+# right after the final message's content.
+#
+# With `tools`, the system turn lists them inside <tools></tools> (one JSON
+# object per line) and tells the model to answer with
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>; an assistant turn's
+# `tool_calls` are rendered the same way, and `tool` messages become
+# <tool_response> blocks in a user turn.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.'"
+    " + '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:'"
+    " + '\\n<tools>' }}"
+    "{%- for tool in tools %}"
+    "{{- '\\n' + (tool | tojson) }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name'"
+    " + ' and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    ' + \'{"name": <function-name>, "arguments": <args-json-object>}\''
+    " + '\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}"
+    "{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if loop.first and message['content'] %}{{- '\\n' }}{%- endif %}"
+    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set args = fn['arguments'] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{- (args if args is string else (args | tojson)) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -303,6 +350,10 @@ def _training_lines() -> list[str]:
     # header become single tokens, as in real ChatML tokenizers.
     for role, text in (("system", "You are a helpful assistant."), ("user", "Hello!")):
         lines.append(f"<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n")
+    # Tool calls too, so their tags and JSON punctuation are a few tokens each.
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    lines.extend([call] * 4)
+    lines.append('{"answer": "yes"} {"answer": "no"} <tool_response>\nsunny\n</tool_response>')
     return lines
 
 

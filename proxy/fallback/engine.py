@@ -10,9 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 import torch
@@ -34,30 +33,20 @@ from transformers.generation.logits_process import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
+from proxy.fallback.interface import Delta, Finished, GenerationSpec, Outcome, TokenLogprob
 from proxy.fallback.protocol import Message, SamplingParams
-from proxy.fallback.textstream import IncrementalDecoder, StopMatcher
+from proxy.fallback.tokentext import TokenText
 
 log = structlog.get_logger("brownout.fallback.engine")
 
-Outcome = Literal["stop", "length", "abort"]
+__all__ = ["Delta", "Engine", "Finished", "ModelLoadError", "Outcome", "TokenText"]
+
+# Most top_logprobs the threads engine computes (OpenAI allows 20).
+MAX_TOP_LOGPROBS = 20
 
 
 class ModelLoadError(Exception):
     """The model directory cannot be served; the message is one line for the operator."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Text produced by `tokens` newly generated tokens (text may be empty: held back)."""
-
-    text: str
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: Outcome
-    completion_tokens: int
 
 
 Emit = Callable[[Delta], None]
@@ -111,6 +100,15 @@ class Engine:
         self._pad_token_id: int | None = (
             pad if pad is not None else min(self.eos_token_ids, default=None)
         )
+
+    @property
+    def model(self) -> Any:
+        """The loaded model (for an engine that drives it itself)."""
+        return self._model
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad_token_id
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -183,7 +181,8 @@ class Engine:
         """One short generation so the first request does not pay lazy initialisation."""
         started = time.monotonic()
         ids = self.encode("Hello", add_special_tokens=True) or [min(self.eos_token_ids, default=0)]
-        self.generate(ids, SamplingParams(temperature=0.0), 2, threading.Event(), lambda _: None)
+        spec = GenerationSpec(tuple(ids), SamplingParams(temperature=0.0), 2)
+        self.generate(spec, threading.Event(), lambda _: None)
         log.info("model_load", stage="warmup", seconds=round(time.monotonic() - started, 3))
 
     # --- tokenizer (tokenizer thread) ------------------------------------------------------
@@ -218,26 +217,26 @@ class Engine:
 
     # --- generation (worker thread) --------------------------------------------------------
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        max_tokens: int,
-        cancel: threading.Event,
-        emit: Emit,
-    ) -> Finished:
-        """Generate up to `max_tokens`, calling `emit` per token; blocks the calling thread.
+    def token_text(self, spec: GenerationSpec) -> TokenText:
+        """A fresh token-to-text converter for one generation of `spec`."""
+        return TokenText(
+            self.decode,
+            spec.prompt_ids,
+            stops=spec.params.stop,
+            stop_ids=self.eos_token_ids | set(spec.params.stop_token_ids),
+            ignore_eos_ids=self.eos_token_ids if spec.params.ignore_eos else frozenset(),
+        )
+
+    def generate(self, spec: GenerationSpec, cancel: threading.Event, emit: Emit) -> Finished:
+        """Generate up to `spec.max_tokens`, calling `emit` per token; blocks the calling thread.
 
         Returns when the model stops, a stop string or the limit is reached, or
         soon after `cancel` is set (checked after every token).
         """
-        stop_ids = self.eos_token_ids | set(params.stop_token_ids)
-        sink = _TokenSink(
-            decoder=IncrementalDecoder(self.decode, prompt_ids),
-            stops=StopMatcher(params.stop),
-            stop_ids=stop_ids,
-            emit=emit,
-        )
+        params, max_tokens = spec.params, spec.max_tokens
+        text = self.token_text(spec)
+        capture = _LogprobCapture(spec.logprobs) if spec.logprobs is not None else None
+        sink = _TokenSink(text, capture, emit)
         config = GenerationConfig(  # type: ignore[no-untyped-call]
             max_new_tokens=max_tokens,
             # ignore_eos: suppressing the end tokens is what vLLM's flag amounts to.
@@ -249,88 +248,90 @@ class Engine:
             top_p=1.0,
             top_k=50,
             repetition_penalty=params.repetition_penalty,
-            eos_token_id=sorted(stop_ids),
+            # With ignore_eos, min_new_tokens masks these, so they never end the output.
+            eos_token_id=sorted(self.eos_token_ids | set(params.stop_token_ids)),
             pad_token_id=self._pad_token_id,
         )
         processors = LogitsProcessorList()
+        if capture is not None:
+            processors.append(capture)
+        processors.extend(factory() for factory in spec.logits_processors)
         if params.temperature > 0:
-            processors.append(_SeededSampler(params, self.device))
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+            processors.append(_SeededSampler(params, spec.seed, self.device))
+        input_ids = torch.tensor([list(spec.prompt_ids)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             self._model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=config,
                 logits_processor=processors,
-                stopping_criteria=StoppingCriteriaList([_StopFlag(cancel, sink)]),
+                stopping_criteria=StoppingCriteriaList([_StopFlag(cancel, text)]),
                 streamer=sink,
             )
-        if sink.stopped:
-            return Finished("stop", sink.count)
-        if sink.count >= max_tokens:
-            return Finished("length", sink.count)
-        return Finished("abort" if cancel.is_set() else "stop", sink.count)
+        if text.stopped:
+            return Finished("stop", text.count)
+        if text.count >= max_tokens:
+            return Finished("length", text.count)
+        return Finished("abort" if cancel.is_set() else "stop", text.count)
+
+
+class _LogprobCapture(LogitsProcessor):
+    """First in the list: keeps the raw log-softmax of the step the streamer then reports."""
+
+    def __init__(self, top: int) -> None:
+        self._top = min(top, MAX_TOP_LOGPROBS)
+        self._row: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._row = torch.log_softmax(scores[0].float(), dim=-1)
+        return scores
+
+    def take(self, token_id: int) -> TokenLogprob | None:
+        row, self._row = self._row, None
+        if row is None:
+            return None
+        top: tuple[tuple[int, float], ...] = ()
+        if self._top > 0:
+            values, ids = torch.topk(row, self._top)
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(token_id, float(row[token_id]), top)
 
 
 class _TokenSink(BaseStreamer):
     """transformers streamer: token ids in (generation thread), `Delta`s out."""
 
-    def __init__(
-        self,
-        *,
-        decoder: IncrementalDecoder,
-        stops: StopMatcher,
-        stop_ids: set[int] | frozenset[int],
-        emit: Emit,
-    ) -> None:
-        self._decoder = decoder
-        self._stops = stops
-        self._stop_ids = stop_ids
+    def __init__(self, text: TokenText, capture: _LogprobCapture | None, emit: Emit) -> None:
+        self._text = text
+        self._capture = capture
         self._emit = emit
         self._prompt_pending = True  # generate() first puts the whole prompt
-        self.count = 0
-        self.stopped = False  # an end token or a stop string ended the output
 
     def put(self, value: torch.Tensor) -> None:
         if self._prompt_pending:
             self._prompt_pending = False
             return
         for token_id in value.reshape(-1).tolist():
-            if self.stopped:
-                return  # tokens generated before the stop flag was seen
-            self._step(int(token_id))
-
-    def _step(self, token_id: int) -> None:
-        self.count += 1
-        if token_id in self._stop_ids:
-            # Like vLLM, the end token itself is not part of the text.
-            self.stopped = True
-            self._emit(Delta(self._flush(), 1))
-            return
-        text = self._stops.push(self._decoder.push(token_id))
-        if self._stops.matched is not None:
-            self.stopped = True
-        self._emit(Delta(text, 1))
-
-    def _flush(self) -> str:
-        return self._stops.push(self._decoder.flush()) + self._stops.flush()
+            logprob = None if self._capture is None else self._capture.take(int(token_id))
+            delta = self._text.step(int(token_id), logprob)
+            if delta is None:
+                return
+            self._emit(delta)
 
     def end(self) -> None:
-        if not self.stopped:
-            text = self._flush()
-            if text:
-                self._emit(Delta(text, 0))
+        delta = self._text.finish()
+        if delta is not None:
+            self._emit(delta)
 
 
 class _StopFlag(StoppingCriteria):
     """Stops generate() after the current token once cancelled or a stop string matched."""
 
-    def __init__(self, cancel: threading.Event, sink: _TokenSink) -> None:
+    def __init__(self, cancel: threading.Event, text: TokenText) -> None:
         self._cancel = cancel
-        self._sink = sink
+        self._text = text
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        stop = self._cancel.is_set() or self._sink.stopped
+        stop = self._cancel.is_set() or self._text.stopped
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
@@ -344,17 +345,17 @@ class _SeededSampler(LogitsProcessor):
     step downstream pick exactly the sampled token.
     """
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, seed: int | None, device: torch.device) -> None:
         self._warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
         if params.top_k > 0:
             self._warpers.append(TopKLogitsWarper(params.top_k))
         if params.top_p < 1.0:
             self._warpers.append(TopPLogitsWarper(params.top_p))
         self._generator = torch.Generator(device=device)
-        if params.seed is None:
+        if seed is None:
             self._generator.seed()
         else:
-            self._generator.manual_seed(params.seed % 2**64)
+            self._generator.manual_seed(seed % 2**64)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for warper in self._warpers:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from proxy.errors import error_body
+from proxy.openai.errors import error_body
 
 
 class APIError(Exception):
@@ -47,5 +47,8 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 
 
 def unsupported(param: str, what: str | None = None) -> APIError:
+    """A 400 for a field this server does not honour; the message always names it."""
     detail = what or f"'{param}' is not supported by this server"
+    if param not in detail:
+        detail = f"'{param}': {detail}"
     return APIError(400, detail, param=param, code="unsupported_parameter")

@@ -7,6 +7,8 @@ the fallback unchanged. HTTP outcomes have a brownout-prefixed counter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -17,6 +19,7 @@ from prometheus_client import (
 )
 
 from proxy.fallback.admission import Admission
+from proxy.fallback.interface import Load
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -27,18 +30,33 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class FallbackMetrics:
-    def __init__(self, model_name: str, admission: Admission) -> None:
+    def __init__(
+        self, model_name: str, admission: Admission, load: Callable[[], Load] | None = None
+    ) -> None:
+        """`load` reads the engine in use; without one, the admission's counts stand in."""
         self.registry = CollectorRegistry()
         r = self.registry
         m = ["model_name"]
+        read = load if load is not None else (lambda: Load(admission.running, 0, 0.0))
         running = Gauge(
-            "vllm:num_requests_running", "Requests generating on a worker thread.", m, registry=r
+            "vllm:num_requests_running", "Requests the engine is generating for.", m, registry=r
         )
-        running.labels(model_name).set_function(lambda: admission.running)
+        running.labels(model_name).set_function(lambda: read().running)
         waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting for a generation slot.", m, registry=r
+            "vllm:num_requests_waiting",
+            "Requests waiting: for a slot (HTTP queue) or inside the engine for KV cache.",
+            m,
+            registry=r,
         )
-        waiting.labels(model_name).set_function(lambda: admission.waiting)
+        waiting.labels(model_name).set_function(lambda: admission.waiting + read().waiting)
+        kv = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV cache in use, 0-1 (batched: the paged cache's used blocks; threads: the "
+            "worst case of the running requests over the KV budget).",
+            m,
+            registry=r,
+        )
+        kv.labels(model_name).set_function(lambda: read().kv_cache_usage)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "From request arrival to the first generated token.",

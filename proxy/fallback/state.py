@@ -8,8 +8,8 @@ from aiohttp import web
 
 from proxy.fallback.admission import Admission
 from proxy.fallback.engine import Engine
+from proxy.fallback.interface import GenerationEngine
 from proxy.fallback.metrics import FallbackMetrics
-from proxy.fallback.workers import Workers
 
 
 @dataclass(frozen=True)
@@ -29,4 +29,5 @@ SETTINGS = web.AppKey("settings", Settings)
 ENGINE = web.AppKey("engine", Engine)
 ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", FallbackMetrics)
-WORKERS = web.AppKey("workers", Workers)
+# The generation engine in use (threads or batched); the name predates the interface.
+WORKERS = web.AppKey("workers", GenerationEngine)

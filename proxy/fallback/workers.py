@@ -1,97 +1,101 @@
-"""Worker threads for the model, bridged to the event loop.
+"""The threads engine: one thread per generation slot, each running `model.generate()`.
 
-Two pools: one thread per generation slot (`--max-concurrency`) and one
-tokenizer thread (chat templates and long prompts would otherwise stall the
-loop). Each running generation is a `Generation`: the loop reads its events
-from an asyncio queue fed with `call_soon_threadsafe`, and cancels it with a
-flag the thread checks after every token.
+Two pools: one thread per generation slot (`max_running`) and one tokenizer
+thread (chat templates and long prompts would otherwise stall the loop).
+Each running generation is a `Generation` (see `interface`): the loop reads
+its events from an asyncio queue fed with `call_soon_threadsafe`, and cancels
+it with a flag the thread checks after every token.
+
+Wins on CPU and for a single stream; on a GPU it does not scale past a few
+streams (each thread runs its own batch of one), which is what
+`batched.BatchedEngine` is for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import structlog
 
-from proxy.fallback.engine import Delta, Engine, Finished
+from proxy.fallback.engine import MAX_TOP_LOGPROBS, Engine
+from proxy.fallback.interface import (
+    Capabilities,
+    EngineClosed,
+    EngineName,
+    Generation,
+    GenerationFailed,
+    GenerationSpec,
+    Load,
+    Observer,
+)
 from proxy.fallback.protocol import SamplingParams
 
 log = structlog.get_logger("brownout.fallback.workers")
 
 T = TypeVar("T")
 
+__all__ = ["Generation", "GenerationFailed", "ThreadEngine", "Workers", "WorkersClosed"]
 
-class GenerationFailed(Exception):
-    """generate() raised in the worker thread."""
+WorkersClosed = EngineClosed  # the pre-interface name
 
-
-class WorkersClosed(Exception):
-    """Shutdown has begun; no new generation starts."""
-
-
-class Observer(Protocol):
-    """Hooks run on the event loop as events arrive, whether or not anyone reads them."""
-
-    def first_token(self) -> None: ...
-    def tokens(self, count: int) -> None: ...
-    def finished(self, outcome: Finished) -> None: ...
+THREADS_CAPABILITIES = Capabilities(
+    engine="threads",
+    seed=True,
+    logprobs=True,
+    max_top_logprobs=MAX_TOP_LOGPROBS,
+    logits_processors=True,
+    repetition_penalty=True,
+    min_tokens=True,
+)
 
 
-class Generation:
-    """One generate() call running on a worker thread, seen from the event loop."""
+class TokenizerPool:
+    """The one tokenizer thread both engines use."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, observer: Observer) -> None:
-        self._loop = loop
-        self._observer = observer
-        self._events: asyncio.Queue[Delta | Finished | BaseException] = asyncio.Queue()
-        self._seen_token = False
-        self.cancel_flag = threading.Event()
-        self.done: asyncio.Future[None] = loop.create_future()
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    def cancel(self) -> None:
-        """Ask the thread to stop after its current token; idempotent."""
-        self.cancel_flag.set()
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    async def next_event(self) -> Delta | Finished:
-        """The next delta, or the final `Finished`; raises `GenerationFailed`."""
-        event = await self._events.get()
-        if isinstance(event, BaseException):
-            raise GenerationFailed(str(event) or type(event).__name__) from event
-        return event
-
-    def post(self, event: Delta | Finished | BaseException) -> None:
-        """Hand an event to the loop; called from the worker thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:
-            self.cancel_flag.set()  # the loop is closed: nobody is listening any more
-
-    def _deliver(self, event: Delta | Finished | BaseException) -> None:
-        if isinstance(event, Delta) and event.tokens:
-            if not self._seen_token:
-                self._seen_token = True
-                self._observer.first_token()
-            self._observer.tokens(event.tokens)
-        elif isinstance(event, Finished):
-            self._observer.finished(event)
-        self._events.put_nowait(event)
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-class Workers:
-    def __init__(self, engine: Engine, max_concurrency: int) -> None:
+class ThreadEngine:
+    def __init__(self, engine: Engine, max_concurrency: int, *, kv_token_budget: int = 0) -> None:
         self._engine = engine
+        self._max_running = max_concurrency
         self._generate_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generate")
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._active: set[Generation] = set()
+        self._tokenizer = TokenizerPool()
+        self._active: dict[Generation, int] = {}  # generation -> its token budget (prompt + max)
         self._closing = False
+        self._kv_token_budget = kv_token_budget
+
+    @property
+    def name(self) -> EngineName:
+        return "threads"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return THREADS_CAPABILITIES
+
+    @property
+    def max_running(self) -> int:
+        return self._max_running
 
     async def tokenize(self, fn: Callable[[], T]) -> T:
         """Run a tokenizer call on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
+        return await self._tokenizer.run(fn)
+
+    def load(self) -> Load:
+        # HF's dynamic cache grows per token; the reserved worst case is what can run out.
+        reserved = sum(self._active.values())
+        usage = min(reserved / self._kv_token_budget, 1.0) if self._kv_token_budget else 0.0
+        return Load(running=len(self._active), waiting=0, kv_cache_usage=usage)
 
     def start(
         self,
@@ -100,35 +104,28 @@ class Workers:
         max_tokens: int,
         observer: Observer,
     ) -> Generation:
+        return self.submit(GenerationSpec(tuple(prompt_ids), params, max_tokens), observer)
+
+    def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         """Start generating on a worker thread; the caller holds a concurrency slot."""
         if self._closing:
             # A queued request admitted during shutdown must not start a fresh generation.
-            raise WorkersClosed
+            raise EngineClosed
         loop = asyncio.get_running_loop()
         generation = Generation(loop, observer)
-        future = loop.run_in_executor(
-            self._generate_pool, self._run, generation, list(prompt_ids), params, max_tokens
-        )
-        self._active.add(generation)
+        future = loop.run_in_executor(self._generate_pool, self._run, generation, spec)
+        self._active[generation] = len(spec.prompt_ids) + spec.max_tokens
 
         def finished(_: asyncio.Future[None]) -> None:
-            self._active.discard(generation)
+            self._active.pop(generation, None)
             generation.done.set_result(None)
 
         future.add_done_callback(finished)
         return generation
 
-    def _run(
-        self,
-        generation: Generation,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-    ) -> None:
+    def _run(self, generation: Generation, spec: GenerationSpec) -> None:
         try:
-            outcome = self._engine.generate(
-                prompt_ids, params, max_tokens, generation.cancel_flag, generation.post
-            )
+            outcome = self._engine.generate(spec, generation.cancel_flag, generation.post)
         except Exception as exc:  # reported to the client as a server error, never lost
             log.exception("generation_failed")
             generation.post(exc)
@@ -138,7 +135,7 @@ class Workers:
     def cancel_all(self) -> None:
         """Shutdown begins: stop running generations and refuse new ones."""
         self._closing = True
-        for generation in self._active:
+        for generation in list(self._active):
             generation.cancel()
 
     async def close(self) -> None:
@@ -146,4 +143,7 @@ class Workers:
         self.cancel_all()
         await asyncio.gather(*(g.done for g in list(self._active)))
         self._generate_pool.shutdown(wait=True, cancel_futures=True)
-        self._tokenize_pool.shutdown(wait=True, cancel_futures=True)
+        self._tokenizer.shutdown()
+
+
+Workers = ThreadEngine  # the pre-interface name

@@ -36,24 +36,31 @@ from proxy.policy.guard import (
 )
 from proxy.policy.knobs import knob
 from proxy.policy.ladder import (
-    PRIORITIES,
     AdmissionPolicy,
     BreakerPolicy,
     FailoverPolicy,
     LadderPolicy,
     MaintenancePolicy,
-    Priority,
     RecoveryPolicy,
     SharedPolicy,
     ThrottlePolicy,
 )
 from proxy.policy.loader import PolicyError, PolicyIssue, load_policy, parse_policy
+from proxy.policy.priority import (
+    PRIORITIES,
+    RANK,
+    Grant,
+    Priority,
+    parse_key_priorities,
+    parse_key_priority,
+)
 from proxy.policy.schema import Policy
 from proxy.policy.server import ServerPolicy
 from proxy.policy.sessions import SessionsPolicy, TrimPolicy
 
 __all__ = [
     "PRIORITIES",
+    "RANK",
     "Action",
     "AdmissionPolicy",
     "BackendKind",
@@ -65,6 +72,7 @@ __all__ = [
     "FaqEntry",
     "FaqFile",
     "FaqPolicy",
+    "Grant",
     "GuardPolicy",
     "HealthPolicy",
     "LadderPolicy",
@@ -88,6 +96,8 @@ __all__ = [
     "flatten",
     "knob",
     "load_policy",
+    "parse_key_priorities",
+    "parse_key_priority",
     "parse_policy",
     "policy_diff",
     "redact",

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 from proxy.policy.diff import redact
-from proxy.policy.ladder import PRIORITIES
+from proxy.policy.priority import parse_key_priority
 from proxy.policy.schema import Policy
 
 if TYPE_CHECKING:
@@ -90,13 +90,12 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
 
     th = policy.ladder.throttle
     for i, kp in enumerate(th.key_priorities):
-        key, sep, prio = kp.rpartition("=")
-        if not sep or not key or prio not in PRIORITIES:
-            bad(
-                "ladder.throttle.key_priorities",
-                f"item {i} is not KEY=critical|normal|sheddable",
-            )
-    for knob_name in ("min_limit", "throttled_limit"):
+        try:
+            parse_key_priority(kp)
+        except ValueError as exc:  # the message never quotes the key
+            bad("ladder.throttle.key_priorities", f"item {i} {exc}")
+    # throttled_limit only matters in fixed mode, min_limit only in adaptive mode.
+    for knob_name in ("min_limit" if th.mode == "adaptive" else "throttled_limit",):
         value = getattr(th, knob_name)
         if value > th.max_inflight:
             bad(

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.policy.knobs import knob
-
-Priority = Literal["critical", "normal", "sheddable"]
-PRIORITIES: tuple[Priority, ...] = ("critical", "normal", "sheddable")
+from proxy.policy.priority import Priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +25,8 @@ class AdmissionPolicy:
     )
     key_priorities: tuple[str, ...] = knob(
         (),
-        "`API_KEY=priority` pairs giving a client key a priority (the header may only lower it).",
+        "`API_KEY=priority` entries giving a client key a priority; `X-Priority` may only "
+        "lower it, unless the entry names a ceiling: `API_KEY=normal..critical`.",
         secret="pairs",
     )
 
@@ -39,9 +38,11 @@ class ThrottlePolicy(AdmissionPolicy):
         "adaptive", "How the throttle tier sets the limit: `fixed` or `adaptive` (AIMD)."
     )
     throttled_limit: int = knob(
-        8, "The limit in the throttle tier when `mode: fixed` (≤ max_inflight).", ge=1
+        8, "The limit in the throttle tier when `mode: fixed` (≤ max_inflight then).", ge=1
     )
-    min_limit: int = knob(1, "The adaptive limit never goes below this (≤ max_inflight).", ge=1)
+    min_limit: int = knob(
+        1, "The adaptive limit never goes below this (≤ max_inflight in adaptive mode).", ge=1
+    )
     decrease_factor: float = knob(
         0.75, "Adaptive: limit × this per window under pressure.", gt=0, lt=1
     )

@@ -33,6 +33,13 @@ class ServerPolicy:
     body_timeout_s: float = knob(
         30.0, "A request body not fully received within this gets 408 (slow clients).", gt=0
     )
+    header_timeout_s: float = knob(
+        10.0,
+        "A request's headers must be complete this long after its first byte, or the "
+        "connection is closed (slow-loris); 0 = no limit.",
+        ge=0,
+        le=3600,
+    )
     heartbeat_s: float = knob(
         15.0,
         "Send an SSE comment (`: ping`) when the backend has been silent this long, so "
@@ -41,6 +48,22 @@ class ServerPolicy:
         "(0 = no heartbeats).",
         ge=0,
         le=300,
+    )
+    max_event_bytes: int = knob(
+        1024 * 1024,
+        "A backend stream event larger than this (no blank line yet) ends the stream with "
+        "an in-band error (a 502 before the first byte): bounds memory and CPU per stream.",
+        ge=1024,
+        le=1024**3,
+        unit="bytes",
+    )
+    max_kept_bytes: int = knob(
+        8 * 1024 * 1024,
+        "Stream bytes kept per answer for a rescue or a session save; a longer answer is "
+        "still relayed, but neither rescued nor saved.",
+        ge=0,
+        le=1024**3,
+        unit="bytes",
     )
     log_prompts: bool = knob(False, "Prompts and completions reach the logs only when true.")
     log_level: Literal["debug", "info", "warning", "error"] = knob(

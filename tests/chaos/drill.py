@@ -580,7 +580,7 @@ faq:
 
 
 def session_key(session_id: str) -> str:
-    """The Redis hash of an anonymous client's session (proxy/sessions.py)."""
+    """The Redis hash of an anonymous client's session (proxy/sessions/store.py)."""
     return f"{KEY_PREFIX}session:anon:{session_id}"
 
 

@@ -1,7 +1,7 @@
 """Alert rules, their unit tests, the Grafana dashboard and the proxy's /metrics.
 
 Everything an operator's monitoring relies on is checked against what the
-proxy really exports (proxy/metrics.py): a renamed metric must break a test
+proxy really exports (proxy/telemetry/metrics.py): a renamed metric must break a test
 here, not silently empty a panel or disarm an alert. promtool (Debian package
 `prometheus`) checks the rules, runs their unit tests, parses the dashboard's
 queries and lints the live exposition.
@@ -23,7 +23,7 @@ import yaml
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.metrics import Metrics
+from proxy.telemetry.metrics import Metrics
 from tests.integration.conftest import chunk, free_port, make_policy
 
 ROOT = Path(__file__).resolve().parents[2]

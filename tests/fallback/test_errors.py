@@ -59,6 +59,7 @@ def test_malformed_json(server: FallbackServer, path: str, payload: bytes) -> No
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_type"),
         ({"stream_options": True}, "stream_options", "invalid_type"),
+        ({"stream_options": {"include_usage": 1}}, "include_usage", "invalid_type"),
     ],
 )
 def test_wrong_types_and_values(
@@ -72,15 +73,20 @@ def test_wrong_types_and_values(
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"best_of": 2}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content[0].type",
@@ -91,27 +97,66 @@ def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], p
     status, body = server.post("/v1/chat/completions", {"messages": HELLO, **extra})
     assert status == 400, body
     _assert_error(body, param=param, code="unsupported_parameter")
+    assert param in body["error"]["message"]
 
 
-def test_openai_client_sees_bad_request_for_tools(
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 9}, "n"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        # A grammar ends on the end token, which ignore_eos would forbid.
+        ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+    ],
+)
+def test_invalid_values_of_honoured_fields(
+    server: FallbackServer, extra: dict[str, Any], param: str
+) -> None:
+    status, body = server.post("/v1/chat/completions", {"messages": HELLO, **extra})
+    assert status == 400, body
+    _assert_error(body, param=param, code="invalid_value")
+
+
+def test_openai_client_sees_bad_request_naming_the_field(
     server: FallbackServer, client: openai.OpenAI
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=server.served_model_name,
-            messages=HELLO,
-            tools=[{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
+            model=server.served_model_name, messages=HELLO, reasoning_effort="high"
         )
     assert info.value.status_code == 400
     assert info.value.code == "unsupported_parameter"
-    assert info.value.param == "tools"
+    assert info.value.param == "reasoning_effort"
+    assert "reasoning_effort" in info.value.message
 
 
-def test_completions_rejects_logprobs_and_echo(server: FallbackServer) -> None:
-    for extra, param in (({"logprobs": 0}, "logprobs"), ({"echo": True}, "echo")):
+def test_completions_rejects_echo_suffix_and_unknown_fields(server: FallbackServer) -> None:
+    cases = (
+        ({"echo": True}, "echo", "unsupported_parameter"),
+        ({"suffix": "end"}, "suffix", "unsupported_parameter"),
+        ({"messages": HELLO}, "messages", "unknown_parameter"),
+        ({"tools": []}, "tools", "unknown_parameter"),
+    )
+    for extra, param, code in cases:
         status, body = server.post("/v1/completions", {"prompt": "Hi", **extra})
-        assert status == 400
-        _assert_error(body, param=param, code="unsupported_parameter")
+        assert status == 400, body
+        _assert_error(body, param=param, code=code)
 
 
 def test_context_length_exceeded(server: FallbackServer) -> None:

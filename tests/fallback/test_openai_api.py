@@ -132,21 +132,31 @@ def test_completions_streaming_and_not(server: FallbackServer, client: openai.Op
     assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
 
 
-def test_unknown_harmless_fields_are_ignored(server: FallbackServer) -> None:
+def test_harmless_fields_are_ignored_and_unknown_ones_rejected(server: FallbackServer) -> None:
+    harmless = {
+        "user": "someone",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "parallel_tool_calls": False,
+        "n": 1,
+        "echo": False,
+        "presence_penalty": 0.0,
+    }
     status, body = server.post(
-        "/v1/chat/completions",
-        {
-            "messages": HELLO,
-            "max_tokens": 2,
-            "user": "someone",
-            "metadata": {"k": "v"},
-            "store": False,
-            "parallel_tool_calls": False,
-            "some_future_field": [1, 2, 3],
-        },
+        "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, **harmless}
     )
     assert status == 200, body
     assert body["usage"]["completion_tokens"] <= 2
+    # A field nobody knows might change the answer: rejected, never silently dropped.
+    status, body = server.post(
+        "/v1/chat/completions", {"messages": HELLO, "some_future_field": [1, 2, 3]}
+    )
+    assert status == 400
+    assert body["error"]["param"] == "some_future_field"
+    assert body["error"]["code"] == "unknown_parameter"
 
 
 def test_tokenize_prompt_and_messages(server: FallbackServer) -> None:

@@ -31,9 +31,9 @@ import structlog.testing
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.guard import Guard, Trip
+from proxy.guard.core import Guard, Trip
+from proxy.openai.sse import DONE_EVENT, SSEParser
 from proxy.policy import GuardPolicy, Policy
-from proxy.sse import DONE_EVENT, SSEParser
 from tests.harness.vllm import VLLMServer
 from tests.integration.conftest import (
     CHAT_BODY,
@@ -65,7 +65,7 @@ RULES = ("control_chars", "replacement_chars", "special_tokens", "repetition", "
 MALFORMED_ABORT = "guard:\n  malformed: {action: abort}\n"
 # How soon the proxy must drop the upstream request after a trip.
 CLOSE_WITHIN_S = 1.0
-REP_STRIDE = 16  # proxy/guard.py: characters between two looks for a loop
+REP_STRIDE = 16  # proxy/guard/core.py: characters between two looks for a loop
 
 
 # --------------------------------------------------------------------------- helpers

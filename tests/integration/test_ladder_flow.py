@@ -26,8 +26,8 @@ from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.openai.sse import SSEParser
 from proxy.policy import Policy, parse_policy
-from proxy.sse import SSEParser
 from tests.integration.conftest import (
     CHAT_BODY,
     FakeUpstream,

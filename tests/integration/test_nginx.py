@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.sse import SSEParser
+from proxy.openai.sse import SSEParser
 from tests.integration.conftest import (
     CHAT_BODY,
     FakeUpstream,

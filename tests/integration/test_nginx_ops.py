@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.sse import SSEParser
+from proxy.openai.sse import SSEParser
 from tests.integration.conftest import (
     CHAT_BODY,
     MAINTENANCE_HTML,

@@ -12,8 +12,8 @@ import time
 
 from aiohttp import web
 
-from proxy.keys import STATE
 from proxy.policy import Policy, parse_policy
+from proxy.runtime.keys import STATE
 from tests.integration.conftest import FakeUpstream, ProxyFactory, free_port
 
 

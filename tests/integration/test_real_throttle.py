@@ -39,7 +39,7 @@ ladder:
 """
 
 
-# brownout_upstream_ttft_seconds' buckets (proxy/metrics.py).
+# brownout_upstream_ttft_seconds' buckets (proxy/telemetry/metrics.py).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, math.inf)
 
 

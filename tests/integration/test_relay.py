@@ -9,7 +9,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from proxy.sse import SSEParser
+from proxy.openai.sse import SSEParser
 from tests.integration.conftest import (
     CHAT_BODY,
     NO_MAINTENANCE,

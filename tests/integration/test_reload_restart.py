@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proxy.keys import STATE
 from proxy.policy import load_policy
+from proxy.runtime.keys import STATE
 from tests.integration.conftest import FakeUpstream, ProxyFactory
 from tests.integration.test_reload import ADMIN, write_policy
 

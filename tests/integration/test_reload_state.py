@@ -27,8 +27,8 @@ import redis.asyncio as aioredis
 import structlog
 from aiohttp import web
 
-from proxy.keys import STATE
 from proxy.policy import load_policy
+from proxy.runtime.keys import STATE
 from proxy.server import _reload_on_sighup
 from tests.integration.conftest import FakeUpstream, ProxyFactory, RunningProxy
 from tests.integration.test_sessions_flow import (

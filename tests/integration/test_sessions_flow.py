@@ -45,8 +45,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.openai.sse import SSEParser
 from proxy.policy import Policy, parse_policy
-from proxy.sse import SSEParser
 from tests.harness.vllm import VLLMServer
 from tests.integration.conftest import FakeUpstream, ProxyFactory, RunningProxy, chunk, free_port
 

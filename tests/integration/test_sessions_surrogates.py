@@ -1,10 +1,11 @@
 """Lone surrogates in a session turn (issue 13, defect 5), against real Redis.
 
 `"\\ud800"` is a legal JSON escape that decodes to a code point UTF-8 cannot
-hold. It reaches a turn from the client's message or from the model's output.
-The answer must reach the client whole, the turn must be stored and read back
-as it was, and the pending-save queue must not stick on it: later turns, on
-this session and on others, are still saved.
+hold. In a client's message it is refused at ingress (400, nothing stored:
+backends' tokenizers cannot encode it either); in the model's output it must
+reach the client whole, the turn must be stored and read back as it was, and
+the pending-save queue must not stick on it: later turns, on this session and
+on others, are still saved.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tests.integration.test_sessions_flow import shared_redis as shared_redis
 pytestmark = pytest.mark.real
 
 LONE = "half a pair: \ud800 and \udfff"
+QUESTION = "what is half a pair?"
 
 
 def answer_with_surrogate(question: str) -> str:
@@ -75,14 +77,19 @@ async def test_lone_surrogates_are_answered_stored_and_read_back(
     chat = ChatFake(fake_upstream, answer=answer_with_surrogate)
     proxy = await start_proxy(policy(fake_upstream.url, sessions=redis_sessions(key_prefix)))
     sid = new_sid()
-    r = await ask(proxy, LONE, sid=sid, stream=stream)
+    refused = await ask(proxy, LONE, sid=sid, stream=stream)
+    assert refused.status == 400, refused.raw
+    assert json.loads(refused.raw)["error"]["code"] == "invalid_json"
+    assert await history(SHARED_REDIS_URL, key_of(key_prefix, sid)) is None
+
+    r = await ask(proxy, QUESTION, sid=sid, stream=stream)
     # The whole answer reached the client (a cut stream fails the read).
     assert r.status == 200, r.raw
     assert r.session == "used"
-    assert r.text == answer_with_surrogate(LONE)
+    assert r.text == answer_with_surrogate(QUESTION)
     if stream:
         assert r.events()[-1] == DONE[len("data: ") : -2]
-    turn = [user(LONE), assistant(answer_with_surrogate(LONE))]
+    turn = [user(QUESTION), assistant(answer_with_surrogate(QUESTION))]
     assert await history(SHARED_REDIS_URL, key_of(key_prefix, sid)) == turn
     assert await metric(proxy, "brownout_session_ops_total", {"op": "save", "result": "ok"}) == 1
 
@@ -120,7 +127,7 @@ async def test_a_surrogate_turn_queued_in_an_outage_does_not_block_later_saves(
         return web.json_response(completion("broken \ud83d pair"))
 
     chat.script.append(redis_dies_then_answers)
-    r = await ask(proxy, LONE, sid=sid, stream=False)
+    r = await ask(proxy, QUESTION, sid=sid, stream=False)
     assert r.status == 200 and r.text == "broken \ud83d pair"
     assert await metric(proxy, "brownout_session_saves_waiting") == 1
 
@@ -131,7 +138,7 @@ async def test_a_surrogate_turn_queued_in_an_outage_does_not_block_later_saves(
         return await metric(proxy, "brownout_session_saves_waiting") == 0
 
     await wait_for(drained, "the waiting turn to be written", within=10)
-    queued_turn = [user(LONE), assistant("broken \ud83d pair")]
+    queued_turn = [user(QUESTION), assistant("broken \ud83d pair")]
     assert await history(private_redis.url, key_of(key_prefix, sid)) == queued_turn
     for s, q in ((sid, "after"), (other, "elsewhere")):
         r = await ask(proxy, q, sid=s)

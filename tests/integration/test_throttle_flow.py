@@ -156,3 +156,61 @@ async def test_admission_is_released_on_client_disconnect(
         await wait_for(proxy, lambda st: st["concurrency"]["admission"]["inflight"] == 1)
         resp.close()
     await wait_for(proxy, lambda st: st["concurrency"]["admission"]["inflight"] == 0, 2.0)
+
+
+async def test_x_priority_cannot_raise_a_client_without_an_entry(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Issue 14 item 10: a client with no `key_priorities` entry sent
+    `X-Priority: critical` and evicted a queued normal request. Now its header
+    can only lower its priority; a key whose entry names a ceiling may raise."""
+    release = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chunk("ok", "stop") + b"data: [DONE]\n\n")
+        return resp
+
+    fake_upstream.handlers["/v1/chat/completions"] = chat
+    extra = """
+ladder:
+  throttle:
+    max_inflight: 1
+    min_limit: 1
+    throttled_limit: 1
+    queue_size: 1
+    queue_timeout_s: 30
+    key_priorities: ["sk-gateway=normal..critical"]
+"""
+    proxy = await start_proxy(make_policy(fake_upstream.url, extra=extra))
+
+    async def ask(headers: dict[str, str]) -> tuple[int, bytes]:
+        async with proxy.session.post(
+            proxy.url + "/v1/chat/completions", json=CHAT_BODY, headers=headers
+        ) as resp:
+            return resp.status, await resp.read()
+
+    async def queued(n: int) -> None:
+        await wait_for(proxy, lambda s: sum(s["concurrency"]["admission"]["queued"].values()) == n)
+
+    first = asyncio.create_task(ask({}))
+    await wait_for(proxy, lambda s: s["concurrency"]["admission"]["inflight"] == 1)
+    waiting = asyncio.create_task(ask({}))
+    await queued(1)
+    code, body = await ask({"X-Priority": "critical"})
+    assert code == 429 and b"wait queue is full" in body  # no eviction
+    assert not waiting.done()
+    st = await status(proxy)
+    assert st["concurrency"]["admission"]["queued"] == {"critical": 0, "normal": 1, "sheddable": 0}
+
+    # A key allowed to raise does evict the newest lower-priority waiter.
+    gateway = asyncio.create_task(
+        ask({"X-Priority": "critical", "Authorization": "Bearer sk-gateway"})
+    )
+    code, body = await waiting
+    assert code == 429 and b"higher-priority" in body
+    release.set()
+    assert (await first)[0] == 200
+    assert (await gateway)[0] == 200

@@ -11,9 +11,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.policy import PolicyError, parse_policy
-from proxy.redis_sessions import RedisSessionStore
-from proxy.saves import PendingSaves
-from proxy.sessions import Turn, session_key
+from proxy.sessions.redis_store import RedisSessionStore
+from proxy.sessions.saves import PendingSaves
+from proxy.sessions.store import Turn, session_key
 from tests.sessions.conftest import SHARED_REDIS_URL, PrivateRedis
 
 pytestmark = pytest.mark.real

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from proxy.policy import PolicyError, SessionsPolicy, TrimPolicy, parse_policy
-from proxy.sessions import MemorySessionStore, SessionIdError, Turn, make_store, session_key
+from proxy.sessions.store import MemorySessionStore, SessionIdError, Turn, make_store, session_key
 
 
 class Clock:

@@ -10,8 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.policy import SessionsPolicy
-from proxy.redis_sessions import RedisSessionStore
-from proxy.sessions import (
+from proxy.sessions.redis_store import RedisSessionStore
+from proxy.sessions.store import (
     SessionStoreUnavailable,
     SessionTurnRejected,
     Turn,

@@ -15,7 +15,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.trim import (
+from proxy.sessions.trim import (
     ContextTooLong,
     EstimateTokenCounter,
     HFTokenCounter,

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from proxy.app import create_app
+from proxy.ops.statuspage import STATUS_PAGE, setup_status_page
 from proxy.policy import Policy, parse_policy
-from proxy.statuspage import STATUS_PAGE, setup_status_page
 from tests.integration.conftest import chunk, free_port
 
 ADMIN_TOKEN = "s3cret-status"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.keys import STATE
+from proxy.runtime.keys import STATE
 from tests.statuspage.cdp import Page, chromium, find_chromium
 from tests.statuspage.conftest import (
     ADMIN_TOKEN,

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from proxy import statuspage
-from proxy.metrics import Metrics
+from proxy.ops import statuspage
+from proxy.ops.statuspage import STATUS_PAGE, Series, csp_for, histogram_quantile, load_page
 from proxy.policy import parse_policy
-from proxy.state import ProxyState
-from proxy.statuspage import STATUS_PAGE, Series, csp_for, histogram_quantile, load_page
+from proxy.runtime.state import ProxyState
+from proxy.telemetry.metrics import Metrics
 from tests.statuspage.conftest import (
     ADMIN,
     FakeLLM,

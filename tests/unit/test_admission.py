@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.admission import Admission, Rejected
+from proxy.control.admission import MIN_SERVICE_S, Admission, Rejected
 from proxy.policy import AdmissionPolicy, Priority
 
 
@@ -121,13 +122,15 @@ async def test_lower_limit_holds_new_requests() -> None:
 
 
 def test_retry_after_follows_drain_rate() -> None:
-    adm, clock = make(max_inflight=1, queue_timeout_s=10)
+    adm, clock = make(max_inflight=4, queue_timeout_s=10)
     assert adm.retry_after() == 10  # no rate measured yet: the deadline
-    adm.inflight = 20
+    for _ in range(4):
+        adm._take()
     for _ in range(20):
-        clock.t += 0.1  # 10 completions per second
+        clock.t += 0.1  # 4 slots, one completes (and is replaced) every 0.1 s
         adm.release()
-    assert adm.drain_rate() == pytest.approx(10, rel=0.05)
+        adm._take()
+    assert adm.drain_rate() == pytest.approx(10)
     assert adm.retry_after(position=49) == 5
 
 
@@ -200,3 +203,95 @@ async def test_idle_gap_does_not_refuse_queued_requests() -> None:
     # Busy with nothing completing: the estimate decays (refusals are real).
     clock.t += 40
     assert adm.drain_rate() < 0.05
+
+
+async def test_a_burst_after_an_idle_start_is_not_refused_by_the_deadline() -> None:
+    """Issue 14 item 9: the rate divided by idle time. A fresh pool idle for
+    20 s, then a burst of 1 s requests: the third got 429 `deadline` with
+    Retry-After 21 while its real wait was about 1 s."""
+    adm, clock = make(max_inflight=1, queue_size=10, queue_timeout_s=10)
+    clock.t += 20  # idle since start
+    await adm.acquire("normal")
+    second = asyncio.create_task(adm.acquire("normal"))
+    await asyncio.sleep(0)
+    clock.t += 1  # the first takes a second
+    adm.release()
+    await second
+    assert adm.drain_rate() == pytest.approx(1.0)
+    third = asyncio.create_task(adm.acquire("normal"))
+    await asyncio.sleep(0)
+    assert not third.done(), third.exception()
+    assert adm.queued == 1
+    assert adm.retry_after() == 2  # two ahead of a newcomer, one per second
+    clock.t += 1
+    adm.release()
+    await third
+
+
+async def test_simultaneous_completions_do_not_inflate_the_rate() -> None:
+    """Issue 14 item 9: eight completions in the same instant read as
+    1,000/s each, so the deadline rule stopped refusing a queue that would
+    take 20 s to drain."""
+    adm, clock = make(max_inflight=8, queue_size=64, queue_timeout_s=10)
+    for _ in range(8):
+        await adm.acquire("normal")
+    clock.t += 2  # a batch of eight that all finish together after 2 s: 4/s
+    for _ in range(8):
+        adm.release()
+    assert adm.drain_rate() == pytest.approx(4.0)
+    for _ in range(8):
+        await adm.acquire("normal")
+    waiting: list[asyncio.Task[None]] = []
+    refused: list[Rejected] = []
+    for _ in range(64):
+        try:
+            waiting.append(asyncio.create_task(adm.acquire("normal")))
+            await asyncio.sleep(0)
+            if waiting[-1].done():
+                waiting[-1].result()
+        except Rejected as r:
+            refused.append(r)
+    # 40 fit in 10 s at 4/s; the rest are told at once when to come back.
+    assert adm.queued == 40
+    assert len(refused) == 24 and {r.reason for r in refused} == {"deadline"}
+    assert {r.retry_after for r in refused} == {11}  # ⌈41 ÷ 4⌉: the 41st place
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
+def test_the_drain_rate_is_bounded() -> None:
+    adm, _ = make(max_inflight=4)
+    for _ in range(4):
+        adm._take()
+    for _ in range(4):
+        adm.release()  # instant completions: no busy time at all
+    assert 0 < adm.drain_rate() <= 4 / 0.005
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(st.just("take"), st.just("release"), st.floats(min_value=0, max_value=30)),
+        max_size=80,
+    ),
+    limit=st.integers(min_value=1, max_value=8),
+)
+def test_drain_rate_bounds_and_idle_invariance(ops: list[object], limit: int) -> None:
+    """Any schedule: the rate is finite, within [0, slots ÷ 5 ms], and idle
+    time (nothing in flight) never changes it."""
+    adm, clock = make(max_inflight=limit)
+    for op in ops:
+        if op == "take":
+            adm._take()
+        elif op == "release":
+            if adm.inflight:
+                adm.release()
+        else:
+            before = adm.drain_rate()
+            clock.t += float(op)  # type: ignore[arg-type]
+            if adm.inflight == 0:
+                assert adm.drain_rate() == before
+        rate = adm.drain_rate()
+        assert math.isfinite(rate) and rate >= 0
+        assert rate <= max(adm.limit, adm.inflight) / MIN_SERVICE_S + 1e-9

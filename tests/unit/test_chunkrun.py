@@ -9,10 +9,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.chunkrun import ChunkRuns
-from proxy.guard import Guard
+from proxy.guard.core import Guard
+from proxy.openai.chunkrun import ChunkRuns
+from proxy.openai.chunks import markers
 from proxy.policy import GuardPolicy
-from proxy.relay import markers
 
 DONE = b"data: [DONE]\n\n"
 GUARD = Guard(GuardPolicy())

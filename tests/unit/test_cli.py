@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from proxy import __version__
-from proxy.adminclient import ReloadOutcome, render
 from proxy.cli import EXIT_CODES, build_parser, main
+from proxy.ops.adminclient import ReloadOutcome, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,3 +158,11 @@ def test_render_an_answer_that_is_not_json() -> None:
     rc, out, err = render(ReloadOutcome(502, None, "http://x answered HTTP 502 without JSON"))
     assert (rc, out) == (3, [])
     assert err == ["brownout reload: http://x answered HTTP 502 without JSON"]
+
+
+def test_readme_route_table_is_generated_from_the_routes() -> None:
+    from proxy.ingress.routes import markdown_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- routes:begin -->\n", 1)[1].split("\n<!-- routes:end -->", 1)[0]
+    assert block == markdown_table(), "regenerate the README's route table"

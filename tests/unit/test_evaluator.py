@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.loops import Evaluator
-from proxy.metrics import Metrics
-from proxy.state import ProxyState
+from proxy.runtime.loops import Evaluator
+from proxy.runtime.state import ProxyState
+from proxy.telemetry.metrics import Metrics
 from tests.integration.conftest import free_port, make_policy
 
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import RequestRejected
-from proxy.guard import Guard, Trip
+from proxy.guard.core import Guard, Trip
+from proxy.ingress.validate import parse_body
+from proxy.openai.sse import SSEFramer, SSEParser
 from proxy.policy import GuardPolicy
-from proxy.sse import SSEFramer, SSEParser
-from proxy.validate import parse_body
 
 GUARD = Guard(GuardPolicy())
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from proxy.guard import Guard, StreamGuard, Trip, invalid_output_event
+from proxy.guard.core import Guard, StreamGuard, Trip, invalid_output_event
+from proxy.openai.sse import SSEFramer, SSEParser
 from proxy.policy import (
     ControlCharsRule,
     GuardPolicy,
@@ -22,7 +23,6 @@ from proxy.policy import (
     SpecialTokensRule,
     parse_policy,
 )
-from proxy.sse import SSEFramer, SSEParser
 
 Kind = Literal["chat", "completion"]
 DONE = b"data: [DONE]\n\n"

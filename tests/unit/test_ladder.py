@@ -9,7 +9,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.ladder import RANK, TIERS, TRANSITIONS, Ladder, Signals, Tier, Transition, desired_tier
+from proxy.control.ladder import (
+    RANK,
+    TIERS,
+    TRANSITIONS,
+    Ladder,
+    Signals,
+    Tier,
+    Transition,
+    desired_tier,
+)
 from proxy.policy import RecoveryPolicy
 
 OK = Signals(primary_ok=True, fallback_ok=True)

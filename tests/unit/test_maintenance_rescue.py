@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from proxy.maintenance import Maintenance, last_user_text, render_json, render_stream
+from proxy.control.maintenance import Maintenance, render_json, render_stream
+from proxy.openai.partial import answer_from_body, continuation_body, partial_text
+from proxy.openai.sse import SSEParser
 from proxy.policy import FaqEntry, FaqPolicy, MaintenancePolicy
-from proxy.rescue import continuation_body, partial_text
-from proxy.sse import SSEParser
 
 FAQ = FaqPolicy(
     entries=(
@@ -25,18 +25,6 @@ def test_faq_matching() -> None:
     a = m.answer("Tell me a story about dragons")
     assert (a.kind, a.text) == ("notice", "Down for maintenance.")
     assert m.answer("").kind == "notice"
-
-
-def test_last_user_text() -> None:
-    body = {
-        "messages": [
-            {"role": "user", "content": "first"},
-            {"role": "assistant", "content": "x"},
-            {"role": "user", "content": [{"type": "text", "text": "second"}]},
-        ]
-    }
-    assert last_user_text(body) == "second"
-    assert last_user_text({"prompt": "p"}) == "p"
 
 
 def test_render_stream_is_a_valid_chat_stream() -> None:
@@ -80,3 +68,25 @@ def test_partial_text_and_continuation() -> None:
     assert continuation_body(body, "", 0, "chat") == body
     comp = continuation_body({"prompt": "Once", "max_tokens": 5}, " upon", 1, "completions")
     assert comp == {"prompt": "Once upon", "max_tokens": 4}
+
+
+def test_partial_text_of_n2_chunks_is_choice_0() -> None:
+    def ev(index: int, text: str) -> bytes:
+        obj = {"choices": [{"index": index, "delta": {"content": text}, "finish_reason": None}]}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    regions = [ev(0, "The ") + ev(1, "Un "), ev(0, "cat") + ev(1, "chien")]
+    assert partial_text(regions, "chat") == ("The cat", 2)
+
+
+def test_answer_from_body_is_choice_0_of_a_finished_answer() -> None:
+    body = {
+        "choices": [
+            {"index": 1, "message": {"content": "deux"}, "finish_reason": "stop"},
+            {"index": 0, "message": {"content": "one"}, "finish_reason": "stop"},
+        ]
+    }
+    assert answer_from_body(json.dumps(body).encode()) == "one"
+    body["choices"][1]["finish_reason"] = None  # type: ignore[index]
+    assert answer_from_body(json.dumps(body).encode()) is None
+    assert answer_from_body(b"[" * 100_000) is None

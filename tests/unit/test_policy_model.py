@@ -113,8 +113,8 @@ def test_check_reports_every_broken_knob_at_once_with_its_line(tmp_path: Path) -
         ("ladder:\n  recovery:\n    ramp: []\n", "6: ladder.recovery.ramp: must list at least"),
         ("ladder:\n  recovery:\n    ramp: [0, 1]\n", "6: ladder.recovery.ramp[0]: must be > 0"),
         (
-            "ladder:\n  throttle:\n    throttled_limit: 100\n",
-            "6: ladder.throttle.throttled_limit: must be <= max_inflight (64)",
+            "ladder:\n  throttle:\n    mode: fixed\n    throttled_limit: 100\n",
+            "7: ladder.throttle.throttled_limit: must be <= max_inflight (64)",
         ),
         (
             "sessions:\n  trimming:\n    low_water: 0.95\n",

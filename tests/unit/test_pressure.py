@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from proxy.control.pressure import PressureMonitor, next_limit, parse_vllm_metrics
 from proxy.policy import ThrottlePolicy
-from proxy.pressure import PressureMonitor, next_limit, parse_vllm_metrics
 
 METRICS = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.relay import error_status, has_finish_reason, is_error_event
+from proxy.openai.chunks import error_status, has_finish_reason, is_error_event
 
 
 @pytest.mark.parametrize(

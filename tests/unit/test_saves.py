@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from proxy.saves import ATTEMPTS, PendingSaves
-from proxy.sessions import SessionStoreUnavailable, SessionTurnRejected, Turn
+from proxy.sessions.saves import ATTEMPTS, PendingSaves
+from proxy.sessions.store import SessionStoreUnavailable, SessionTurnRejected, Turn
 
 
 class FlakyStore:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.sse import SSEFramer, SSEParser, error_events, find_line
+from proxy.openai.sse import SSEFramer, SSEParser, error_events, find_line
 
 STREAM = (
     b": hello\n\n"

@@ -6,8 +6,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from proxy.metrics import Metrics
-from proxy.supervise import Supervisor
+from proxy.runtime.supervise import Supervisor
+from proxy.telemetry.metrics import Metrics
 
 
 class FakeSleep:

@@ -121,3 +121,30 @@ def test_atomic_install_rules(tmp_path: Path) -> None:
     assert (other / "precious.txt").read_text() == "keep me"
     # No temporary directories are left behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "not-a-model"]
+
+
+def test_chat_template_renders_tools_hermes_style(tokenizer: Any) -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+    }
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=[tool], tokenize=False, add_generation_prompt=True
+    )
+    system, rest = rendered.split("<|im_end|>\n", 1)
+    assert system.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools")
+    assert "<tools>\n" + json.dumps(tool) + "\n</tools>" in system
+    assert "<tool_call></tool_call>" in system
+    assert rest == (
+        "<|im_start|>user\nHello! How are you?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

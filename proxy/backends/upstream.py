@@ -1,0 +1,242 @@
+"""One backend: its HTTP client session, URLs, health probe and breaker.
+
+Each backend gets exactly one `ClientSession` (its own connection pool and
+keep-alive), created and closed in the app's cleanup context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import structlog
+from yarl import URL
+
+from proxy.control.breaker import BackendBreaker
+from proxy.policy import BackendPolicy, BreakerPolicy
+
+log = structlog.get_logger("brownout.upstream")
+
+# Parameters the Transformers fallback server does not implement; removed
+# from requests sent to a `transformers` backend unless the policy lists its own.
+TRANSFORMERS_DROP = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "logit_bias",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+@dataclass
+class Health:
+    """What the last probe said; read by the status page and the ladder."""
+
+    healthy: bool | None = None  # None until the first probe ran
+    last_error: str | None = None
+    last_probe_at: float | None = None
+    consecutive_failures: int = 0
+    # A refused connection or vLLM's 503 (engine dead) needs no second opinion.
+    definitive: bool = False
+
+
+@dataclass
+class Upstream:
+    name: str  # "primary" | "fallback"
+    policy: BackendPolicy
+    session: aiohttp.ClientSession
+    breaker: BackendBreaker
+    probe_failures: int = 2
+    health: Health = field(default_factory=Health)
+    # Discovered from /v1/models unless the policy sets them.
+    served_model: str | None = None
+    max_model_len: int | None = None
+    probe_task: asyncio.Task[None] | None = None
+
+    def __post_init__(self) -> None:
+        base = URL(self.policy.url.rstrip("/"))
+        self.base = base
+        # Parsed once: building a URL per request is measurable at high rates.
+        self.chat_url = base / "v1" / "chat" / "completions"
+        self.completions_url = base / "v1" / "completions"
+        self.models_url = base / "v1" / "models"
+        self.health_url = base.with_path(self.policy.health.path)
+        self.auth_header: str | None = (
+            f"Bearer {self.policy.api_key}" if self.policy.api_key else None
+        )
+        self.max_model_len = self.policy.max_model_len
+        p = self.policy
+        if p.supports_continuation is not None:
+            self.supports_continuation = p.supports_continuation
+        else:
+            self.supports_continuation = p.kind in ("vllm", "transformers")
+        if p.drop_params:
+            self.drop_params: tuple[str, ...] = p.drop_params
+        else:
+            self.drop_params = TRANSFORMERS_DROP if p.kind == "transformers" else ()
+
+    def url_for(self, path_qs: str) -> URL:
+        return URL(str(self.base) + path_qs, encoded=True)
+
+    @property
+    def down(self) -> bool:
+        """The probes say this backend cannot serve."""
+        h = self.health
+        if h.healthy is None or h.healthy:
+            return False
+        return h.definitive or h.consecutive_failures >= self.probe_failures
+
+    @property
+    def available(self) -> bool:
+        return not self.down and self.breaker.state == "closed"
+
+    async def probe(self) -> bool:
+        """One health check: 200 = healthy; vLLM answers 503 once its engine died."""
+        timeout = aiohttp.ClientTimeout(total=self.policy.health.timeout_s)
+        err: str | None = None
+        definitive = False
+        try:
+            async with self.session.get(
+                self.health_url, timeout=timeout, allow_redirects=False
+            ) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    err = f"health returned HTTP {resp.status}"
+                    definitive = resp.status == 503
+        except aiohttp.ClientConnectorError as exc:
+            err = f"connection failed: {exc.os_error.strerror or exc}"
+            definitive = True
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            err = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        h = self.health
+        was = h.healthy
+        h.last_probe_at = time.time()
+        h.healthy = err is None
+        h.last_error = err
+        h.definitive = definitive
+        h.consecutive_failures = 0 if err is None else h.consecutive_failures + 1
+        if was is not h.healthy:
+            log.info("backend_health_changed", backend=self.name, healthy=h.healthy, error=err)
+        if h.healthy and (self.served_model is None or self.max_model_len is None):
+            await self.discover()
+        return h.healthy
+
+    async def discover(self) -> None:
+        """Served model name and context window from /v1/models (vLLM and the
+        fallback server both report `max_model_len`)."""
+        try:
+            async with self.session.get(
+                self.models_url, timeout=aiohttp.ClientTimeout(total=2), allow_redirects=False
+            ) as resp:
+                if resp.status != 200:
+                    return
+                data = json.loads(await resp.read())
+            first = data["data"][0]
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            return
+        if self.served_model is None and isinstance(first.get("id"), str):
+            self.served_model = first["id"]
+        if self.max_model_len is None and isinstance(first.get("max_model_len"), int):
+            self.max_model_len = first["max_model_len"]
+            log.info(
+                "backend_discovered",
+                backend=self.name,
+                model=self.served_model,
+                max_model_len=self.max_model_len,
+            )
+
+    async def recovery_probe(self) -> str | None:
+        """/health plus a 1-token completion: None when both work, else why not."""
+        if not await self.probe():
+            return self.health.last_error or "health probe failed"
+        model = self.policy.model or self.served_model
+        body = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
+        if model:
+            body["model"] = model
+        try:
+            async with self.session.post(
+                self.completions_url,
+                json=body,
+                headers={"Authorization": self.auth_header} if self.auth_header else None,
+                timeout=aiohttp.ClientTimeout(total=self.policy.timeouts.first_byte_s),
+                allow_redirects=False,
+            ) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    return f"trial completion returned HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"trial completion failed: {type(exc).__name__}"
+        return None
+
+    async def close(self) -> None:
+        task = self.probe_task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.session.close()
+
+    async def probe_forever(self) -> None:
+        while True:
+            await self.probe()
+            await asyncio.sleep(self.policy.health.interval_s)
+
+
+def make_session(policy: BackendPolicy) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(
+        limit=policy.pool.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=policy.pool.keepalive_s,
+        ttl_dns_cache=300,
+    )
+    # Only connect is bounded here; first-byte and idle limits are enforced
+    # by the relay, which knows where in the answer it is.
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=policy.timeouts.connect_s, sock_connect=policy.timeouts.connect_s
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,  # bytes are relayed as received
+        raise_for_status=False,
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+def open_upstream(
+    name: str,
+    policy: BackendPolicy,
+    breaker_policy: BreakerPolicy,
+    clock: Callable[[], float],
+    on_breaker_change: Callable[[str, str, str, str], None],
+    probe_failures: int,
+    start: Callable[[str, Callable[[], Awaitable[None]]], asyncio.Task[None]] | None = None,
+    breaker: BackendBreaker | None = None,
+) -> Upstream:
+    """An upstream with its session and its probe task running (call `close`).
+    `start` runs the probe loop (the app's `Supervisor.start`: an exception
+    in a probe is logged and counted, and probing goes on). `breaker`: one
+    to keep (a reload that changed other settings of the same server)."""
+    session = make_session(policy)
+    if breaker is None:
+        breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
+    upstream = Upstream(name, policy, session, breaker, probe_failures)
+    if start is None:
+        upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
+    else:
+        upstream.probe_task = start(f"health_probe_{name}", upstream.probe_forever)
+    return upstream

@@ -1,0 +1,229 @@
+"""Admission control: a concurrency limit, a bounded priority queue, early 429s.
+
+vLLM queues without bound and never says 429, so the proxy holds the line:
+
+- at most `limit` requests in flight (normally vLLM's `--max-num-seqs`; the
+  throttle tier lowers it);
+- beyond that, a bounded wait queue served by priority (`critical`, then
+  `normal`, then `sheddable`), first-in first-out within a priority;
+- a request is rejected at once — 429 with `Retry-After` — when the queue is
+  full and nothing of lower priority can be evicted for it, when its expected
+  wait (its queue position ÷ the measured drain rate) exceeds the queue
+  deadline, or, in the throttle tier, when it is sheddable. A request that
+  does wait and reaches its deadline is rejected too. Evicted and timed-out
+  waiters get the same 429.
+
+`Retry-After` = ⌈(queued + 1) ÷ drain rate⌉ seconds, clamped to 1–60 (so
+clients come back when there is room, not all at once).
+
+The drain rate is measured on busy time only, by Little's law: slots ÷ mean
+service time, where the mean service time is the slot-seconds spent in
+flight ÷ completions, both averaged over the last `DRAIN_WINDOW_S` seconds
+of busy time. Idle time counts for nothing (a burst after a quiet minute
+sees the rate the pool had when it was last busy), completions in the same
+instant share the busy time they used (they cannot read as 1,000/s), and
+requests that run long without completing lower the estimate as they go.
+The mean service time is bounded below by `MIN_SERVICE_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.policy import PRIORITIES, RANK, AdmissionPolicy, Priority
+
+__all__ = ["PRIORITIES", "Admission", "AdmissionPolicy", "Priority", "Rejected"]
+
+DRAIN_WINDOW_S = 10.0  # busy seconds the drain-rate estimate averages over
+MIN_SERVICE_S = 0.005  # the mean service time is never taken as shorter
+
+
+class Rejected(Exception):
+    """Not admitted: becomes a 429 with Retry-After."""
+
+    def __init__(self, reason: str, retry_after: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class _Waiter:
+    priority: Priority
+    future: asyncio.Future[None]
+    enqueued: float
+
+
+class Admission:
+    """One per backend pool. Not thread-safe; lives on the event loop."""
+
+    def __init__(
+        self,
+        policy: AdmissionPolicy,
+        clock: Callable[[], float],
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.on_wait = on_wait
+        self.limit = policy.max_inflight
+        self.inflight = 0
+        self.shed_sheddable = False  # set by the throttle tier
+        self._queues: dict[Priority, collections.deque[_Waiter]] = {
+            p: collections.deque() for p in PRIORITIES
+        }
+        self._queued = 0
+        # Drain rate (Little's law on busy time): slot-seconds in flight and
+        # completions, both decayed over DRAIN_WINDOW_S of busy time.
+        self._area = 0.0
+        self._done = 0.0
+        self._t = clock()
+
+    # -- state -------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def _decayed(self, now: float) -> tuple[float, float]:
+        """(slot-seconds, completions) as of `now`: busy time decays both and
+        adds to the first; idle time changes nothing."""
+        dt = now - self._t
+        if dt <= 0 or self.inflight <= 0:
+            return self._area, self._done
+        keep = math.exp(-dt / DRAIN_WINDOW_S)
+        return self._area * keep + self.inflight * dt, self._done * keep
+
+    def _advance(self) -> None:
+        now = self.clock()
+        self._area, self._done = self._decayed(now)
+        self._t = now
+
+    def drain_rate(self) -> float:
+        """Completions per second the queue can expect: slots ÷ mean service
+        time (0 until something has completed)."""
+        area, done = self._decayed(self.clock())
+        if done <= 1e-9:
+            return 0.0
+        service = max(MIN_SERVICE_S, area / done)
+        return max(self.limit, self.inflight) / service
+
+    def retry_after(self, position: int | None = None) -> int:
+        pos = (self._queued if position is None else position) + 1
+        rate = self.drain_rate()
+        if rate <= 0:
+            return min(60, max(1, math.ceil(self.policy.queue_timeout_s)))
+        return min(60, max(1, math.ceil(pos / rate)))
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._wake()
+
+    # -- admission ---------------------------------------------------------------
+
+    async def acquire(self, priority: Priority) -> None:
+        """Wait for a slot or raise Rejected."""
+        if self.shed_sheddable and priority == "sheddable":
+            raise Rejected("shed", self.retry_after())
+        if self.inflight < self.limit and not self._ahead_of(priority):
+            self._take()
+            return
+        if self._queued >= self.policy.queue_size and not self._evict_below(priority):
+            raise Rejected("queue_full", self.retry_after())
+        position = self._position(priority)
+        rate = self.drain_rate()
+        if rate > 0 and (position + 1) / rate > self.policy.queue_timeout_s:
+            raise Rejected("deadline", self.retry_after(position))
+        loop = asyncio.get_running_loop()
+        w = _Waiter(priority, loop.create_future(), self.clock())
+        self._queues[priority].append(w)
+        self._queued += 1
+        try:
+            async with asyncio.timeout(self.policy.queue_timeout_s):
+                await w.future
+        except TimeoutError:
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                # The slot was handed over in the same step the deadline hit:
+                # it is ours, so use it rather than leak it.
+                pass
+            else:
+                self._remove(w)
+                raise Rejected("queue_timeout", self.retry_after()) from None
+        except asyncio.CancelledError:
+            # The client left while waiting; if a slot was just handed over, give it back.
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                self.release()
+            else:
+                self._remove(w)
+            raise
+        if self.on_wait is not None:
+            self.on_wait(self.clock() - w.enqueued)
+
+    def release(self) -> None:
+        self._advance()
+        self.inflight -= 1
+        self._done += 1.0
+        self._wake()
+
+    def _wake(self) -> None:
+        while self.inflight < self.limit and self._queued:
+            w = self._pop()
+            if w is None:
+                return
+            if w.future.done():  # timed out or cancelled meanwhile
+                continue
+            self._take()
+            w.future.set_result(None)
+
+    def _take(self) -> None:
+        self._advance()
+        self.inflight += 1
+
+    def _pop(self) -> _Waiter | None:
+        for p in PRIORITIES:
+            q = self._queues[p]
+            if q:
+                self._queued -= 1
+                return q.popleft()
+        return None
+
+    def _remove(self, w: _Waiter) -> None:
+        try:
+            self._queues[w.priority].remove(w)
+            self._queued -= 1
+        except ValueError:
+            pass
+
+    def _ahead_of(self, priority: Priority) -> bool:
+        """Someone of the same or higher priority is already waiting."""
+        return any(self._queues[p] for p in PRIORITIES[: RANK[priority] + 1])
+
+    def _position(self, priority: Priority) -> int:
+        return sum(len(self._queues[p]) for p in PRIORITIES[: RANK[priority] + 1])
+
+    def _evict_below(self, priority: Priority) -> bool:
+        """Make room for `priority` by shedding the newest lower-priority waiter."""
+        for p in reversed(PRIORITIES):
+            if RANK[p] <= RANK[priority]:
+                return False
+            q = self._queues[p]
+            if q:
+                w = q.pop()
+                self._queued -= 1
+                if not w.future.done():
+                    w.future.set_exception(Rejected("evicted", self.retry_after()))
+                return True
+        return False
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "limit": self.limit,
+            "inflight": self.inflight,
+            "queued": {p: len(q) for p, q in self._queues.items()},
+            "drain_rate": round(self.drain_rate(), 2),
+            "shedding_sheddable": self.shed_sheddable,
+        }

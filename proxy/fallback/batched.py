@@ -1,0 +1,334 @@
+"""The batched engine: Transformers' own continuous batching behind the engine interface.
+
+One `ContinuousBatchingManager` (from `model.init_continuous_batching`) runs
+its generation loop on its own thread and batches every running request into
+each forward pass over a paged KV cache. Each request is added with its own
+`max_new_tokens`, end tokens and sampling kwargs (temperature, top_k, top_p:
+the library's per-request processors; seed: `cbsampler`), streamed through
+`register_result_handler` (outputs arrive on the event loop) and cancelled
+with `cancel_request`.
+
+Text is made on the event loop from the token ids (`TokenText`: incremental
+detokenization, end tokens, stop strings); a stop string cancels the request
+in the library. Greedy requests sample at a temperature of 1e-6 (all
+probability on the argmax: the library's sampling flag is per manager, not
+per request).
+
+Not honoured here (see `Capabilities`): logprobs (the library only reports
+the chosen token's probability after the warpers), per-request logits
+processors, repetition_penalty, min_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import queue
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from proxy.fallback import cbsampler
+from proxy.fallback.engine import Engine
+from proxy.fallback.interface import (
+    Capabilities,
+    Delta,
+    EngineClosed,
+    EngineName,
+    Finished,
+    Generation,
+    GenerationSpec,
+    Load,
+    Observer,
+    Outcome,
+)
+from proxy.fallback.protocol import SamplingParams
+from proxy.fallback.tokentext import TokenText
+from proxy.fallback.workers import TokenizerPool
+
+log = structlog.get_logger("brownout.fallback.batched")
+
+T = TypeVar("T")
+
+GREEDY_TEMPERATURE = 1e-6
+# The library's default page: tokens per KV block.
+PAGE_SIZE = 256
+
+
+def capabilities(*, seed: bool) -> Capabilities:
+    return Capabilities(
+        engine="batched",
+        seed=seed,
+        logprobs=False,
+        max_top_logprobs=0,
+        logits_processors=False,
+        repetition_penalty=False,
+        min_tokens=False,
+    )
+
+
+def unsupported_fields(spec: GenerationSpec, caps: Capabilities) -> list[str]:
+    """Request fields of `spec` this engine cannot honour (the handler's 400 names them)."""
+    params = spec.params
+    fields = []
+    if spec.logprobs is not None and not caps.logprobs:
+        fields.append("logprobs")
+    if spec.logits_processors and not caps.logits_processors:
+        fields.append("response_format")
+    if params.repetition_penalty != 1.0 and not caps.repetition_penalty:
+        fields.append("repetition_penalty")
+    if params.min_tokens > 0 and not caps.min_tokens:
+        fields.append("min_tokens")
+    if params.seed is not None and params.temperature > 0 and not caps.seed:
+        fields.append("seed")
+    return fields
+
+
+@dataclass
+class _Request:
+    request_id: str
+    generation: Generation
+    text: TokenText
+    max_tokens: int
+    seen: int = 0
+    over: bool = False
+    pending: list[Delta] = field(default_factory=list)
+
+
+class BatchedEngine:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_running: int,
+        kv_tokens: int | None,
+        max_model_len: int,
+        max_batch_tokens: int | None = None,
+        use_cuda_graph: bool | None = None,
+    ) -> None:
+        self._engine = engine
+        self._max_running = max_running
+        self._max_model_len = max_model_len
+        self._tokenizer = TokenizerPool()
+        self._ids = itertools.count()
+        self._active: dict[str, _Request] = {}
+        self._closing = False
+        vocab = engine.vocab_size
+        generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+            # Sampling on, with each warper present so that per-request values apply;
+            # every request sends its own temperature, top_k and top_p.
+            do_sample=True,
+            temperature=0.5,
+            top_k=vocab,
+            top_p=0.9999,
+            max_new_tokens=max_model_len,
+            eos_token_id=sorted(engine.eos_token_ids),
+            pad_token_id=engine.pad_token_id,
+        )
+        cb_config = ContinuousBatchingConfig(
+            per_request_processors=True,
+            max_requests_per_batch=max_running,
+            num_blocks=None if kv_tokens is None else max(1, math.ceil(kv_tokens / PAGE_SIZE)),
+            page_size=PAGE_SIZE,
+            max_batch_tokens=max_batch_tokens,
+            use_cuda_graph=use_cuda_graph,
+        )
+        # The library logs its sizing decisions at INFO in its own plain-text format,
+        # between the server's JSON lines; warnings and errors still show.
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
+        model = engine.model
+        self._manager: Any = model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_config
+        )
+        self._sampler = cbsampler.install(self._manager.logit_processor)
+        self._capabilities = capabilities(seed=self._sampler is not None)
+        with torch.inference_mode():
+            self._manager.warmup()
+            self._manager.start()  # the loop thread inherits inference mode
+        log.info(
+            "batched_engine",
+            max_running=max_running,
+            kv_tokens=kv_tokens,
+            seeded_sampling=self._sampler is not None,
+        )
+
+    # --- the interface ----------------------------------------------------------------------
+
+    @property
+    def name(self) -> EngineName:
+        return "batched"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @property
+    def max_running(self) -> int:
+        return self._max_running
+
+    async def tokenize(self, fn: Callable[[], T]) -> T:
+        return await self._tokenizer.run(fn)
+
+    def load(self) -> Load:
+        waiting = self._engine_waiting()
+        return Load(
+            running=max(len(self._active) - waiting, 0),
+            waiting=waiting,
+            kv_cache_usage=self._kv_usage(),
+        )
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        observer: Observer,
+    ) -> Generation:
+        return self.submit(GenerationSpec(tuple(prompt_ids), params, max_tokens), observer)
+
+    def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
+        if self._closing or not self._manager.is_running():
+            raise EngineClosed
+        unsupported = unsupported_fields(spec, self._capabilities)
+        if unsupported:
+            raise ValueError(f"the batched engine cannot honour {', '.join(unsupported)}")
+        self._drain_orphans()
+        request_id = f"brownout-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        generation = Generation(loop, observer, on_cancel=lambda: self._cancel(request_id))
+        request = _Request(request_id, generation, self._engine.token_text(spec), spec.max_tokens)
+        self._manager.register_result_handler(request_id, lambda out: self._on_output(request, out))
+        self._active[request_id] = request
+        added = self._manager.add_request(
+            list(spec.prompt_ids),
+            request_id=request_id,
+            max_new_tokens=spec.max_tokens,
+            streaming=True,
+            eos_token_id=sorted(request.text.stop_ids),
+            **self._sampling_kwargs(spec),
+        )
+        if added is None:  # the manager is stopping
+            self._forget(request)
+            raise EngineClosed
+        return generation
+
+    def cancel_all(self) -> None:
+        self._closing = True
+        for request in list(self._active.values()):
+            request.generation.cancel()
+
+    async def close(self) -> None:
+        self.cancel_all()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: self._manager.stop(block=True, timeout=10))
+        self._tokenizer.shutdown()
+
+    # --- internals (event loop) -------------------------------------------------------------
+
+    def _sampling_kwargs(self, spec: GenerationSpec) -> dict[str, Any]:
+        params = spec.params
+        greedy = params.temperature <= 0
+        kwargs: dict[str, Any] = {
+            "temperature": GREEDY_TEMPERATURE if greedy else float(params.temperature),
+            "top_k": params.top_k if params.top_k > 0 else self._engine.vocab_size,
+            "top_p": float(params.top_p),
+        }
+        seed = spec.seed
+        if self._sampler is not None:
+            kwargs[cbsampler.SEED_KWARG] = -1 if greedy or seed is None else seed
+        return kwargs
+
+    def _on_output(self, request: _Request, output: Any) -> None:
+        """One streamed output of the library (cumulative token ids), on the event loop."""
+        if request.over:
+            return  # cancelled, or already ended by a stop string
+        generation, text = request.generation, request.text
+        if output.error is not None:
+            self._forget(request)
+            generation.deliver(RuntimeError(str(output.error)))
+            self._end(request)
+            return
+        tokens = output.generated_tokens
+        new = tokens[request.seen :]
+        request.seen = len(tokens)
+        pieces: list[str] = []
+        ids: list[int] = []
+        for token_id in new:
+            delta = text.step(int(token_id))
+            if delta is None:
+                break
+            pieces.append(delta.text)
+            ids.append(int(token_id))
+        finished = output.is_finished()
+        if text.stopped or finished:
+            if not text.stopped:
+                tail = text.finish()
+                if tail is not None:
+                    pieces.append(tail.text)
+            if ids or any(pieces):
+                generation.deliver(Delta("".join(pieces), len(ids), tuple(ids)))
+            if not finished:
+                self._manager.cancel_request(request.request_id)  # a stop string matched
+            reason: Outcome = (
+                "stop" if text.stopped or text.count < request.max_tokens else "length"
+            )
+            self._forget(request)
+            generation.deliver(Finished(reason, text.count))
+            self._end(request)
+            return
+        if ids:
+            generation.deliver(Delta("".join(pieces), len(ids), tuple(ids)))
+
+    def _cancel(self, request_id: str) -> None:
+        request = self._active.get(request_id)
+        if request is None or request.over:
+            return
+        self._manager.cancel_request(request_id)
+        self._forget(request)
+        request.generation.deliver(Finished("abort", request.text.count))
+        self._end(request)
+
+    def _forget(self, request: _Request) -> None:
+        request.over = True
+        self._active.pop(request.request_id, None)
+        router = self._manager.output_router
+        with router._lock:
+            router.result_handlers.pop(request.request_id, None)
+        if self._sampler is not None:
+            self._sampler.forget(request.request_id)
+
+    def _end(self, request: _Request) -> None:
+        if not request.generation.done.done():
+            request.generation.done.set_result(None)
+
+    def _drain_orphans(self) -> None:
+        """Outputs of cancelled requests land in the library's shared queue: drop them."""
+        shared = self._manager.output_router.output_queue
+        with contextlib.suppress(queue.Empty):
+            while not shared.empty():
+                shared.get_nowait()
+
+    def _engine_waiting(self) -> int:
+        processor = self._manager.batch_processor
+        pending = int(self._manager.input_queue.qsize())
+        if processor is None:
+            return pending
+        return pending + len(processor.scheduler.waiting_requests)
+
+    def _kv_usage(self) -> float:
+        processor = self._manager.batch_processor
+        if processor is None:
+            return 0.0
+        try:
+            free = float(processor.cache.compute_free_capacity(relative=True))
+        except (RuntimeError, ValueError, ZeroDivisionError):  # read while the loop mutates it
+            return 0.0
+        return min(max(1.0 - free, 0.0), 1.0)

@@ -1,0 +1,386 @@
+"""OpenAI request validation: untrusted JSON in, frozen dataclasses out (or a 400).
+
+Every field goes through `fields.check_fields` first, so a field this server
+does not honour is a 400 naming it rather than silently ignored; what the
+engine in use can do is checked later (`fields.check_capabilities`).
+"""
+
+from __future__ import annotations
+
+from proxy.fallback.errors import APIError, invalid, unsupported
+from proxy.fallback.fields import MAX_N, Endpoint, check_fields
+from proxy.fallback.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    Output,
+    ResponseFormat,
+    SamplingParams,
+    TokenizeRequest,
+    ToolCall,
+)
+from proxy.fallback.reading import Body, json_text, require_object, wrong_type
+from proxy.fallback.tools import parse_tool_use, parse_tools
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+_MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the engine may allow fewer
+
+
+# --- sampling ----------------------------------------------------------------------------
+
+
+def _parse_stop(b: Body) -> tuple[str, ...]:
+    value = b.raw("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise wrong_type("stop", "a string or an array of strings", value)
+    if any(s == "" for s in items):
+        raise invalid("Stop strings must not be empty.", "stop")
+    return tuple(dict.fromkeys(items))
+
+
+def _parse_token_ids(value: object, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise wrong_type(name, "an array of integers", value)
+    if any(i < 0 for i in value):
+        raise invalid(f"'{name}' must contain non-negative token ids.", name)
+    return tuple(value)
+
+
+def _parse_sampling(b: Body) -> SamplingParams:
+    # `max_completion_tokens` is the newer name; it wins when both are sent.
+    max_tokens = b.int_("max_completion_tokens", min_value=1)
+    if max_tokens is None:
+        max_tokens = b.int_("max_tokens", min_value=1)
+    temperature = b.float_("temperature", min_value=0.0)
+    top_p = b.float_("top_p", min_value=0.0, max_value=1.0, exclusive_min=True)
+    top_k = b.int_("top_k", min_value=-1)
+    min_tokens = b.int_("min_tokens", min_value=0)
+    penalty = b.float_("repetition_penalty", min_value=0.0, exclusive_min=True)
+    stop_ids = b.raw("stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=max(top_k or 0, 0),  # vLLM spells "disabled" as -1
+        seed=b.int_("seed", min_value=_SEED_MIN, max_value=_SEED_MAX),
+        stop=_parse_stop(b),
+        stop_token_ids=() if stop_ids is None else _parse_token_ids(stop_ids, "stop_token_ids"),
+        min_tokens=min_tokens or 0,
+        ignore_eos=b.bool_("ignore_eos", False),
+        repetition_penalty=1.0 if penalty is None else penalty,
+    )
+
+
+def _parse_stream(b: Body) -> tuple[bool, bool]:
+    stream = b.bool_("stream", False)
+    options = b.raw("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise wrong_type("stream_options", "an object", options)
+    opts = Body(options)
+    # include_obfuscation only pads chunks against side channels: harmless to leave out.
+    if opts.bool_("continuous_usage_stats", False):
+        raise unsupported(
+            "stream_options.continuous_usage_stats", "Usage in every chunk is not supported."
+        )
+    unknown = sorted(
+        set(options) - {"include_usage", "include_obfuscation", "continuous_usage_stats"}
+    )
+    if unknown:
+        raise APIError(
+            400,
+            f"Unrecognized request argument supplied: stream_options.{unknown[0]}",
+            param=f"stream_options.{unknown[0]}",
+            code="unknown_parameter",
+        )
+    return stream, opts.bool_("include_usage", False)
+
+
+# --- output: n, logprobs, response_format, tools, logit_bias -----------------------------
+
+
+def _parse_logprobs(b: Body, endpoint: Endpoint) -> int | None:
+    if endpoint == "completions":  # the legacy API's `logprobs` is the count itself
+        return b.int_("logprobs", min_value=0, max_value=_MAX_TOP_LOGPROBS)
+    wanted = b.bool_("logprobs", False)
+    top = b.int_("top_logprobs", min_value=0, max_value=_MAX_TOP_LOGPROBS)
+    if top and not wanted:  # 0 without logprobs is harmless
+        raise invalid("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _parse_response_format(b: Body) -> ResponseFormat:
+    value = b.raw("response_format")
+    if value is None:
+        return ResponseFormat()
+    if not isinstance(value, dict):
+        raise wrong_type("response_format", "an object", value)
+    kind = value.get("type")
+    if kind in ("text", "json_object"):
+        return ResponseFormat(kind)
+    if kind != "json_schema":
+        raise invalid(
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema'.",
+            "response_format",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise wrong_type("response_format.json_schema", "an object", spec)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise wrong_type("response_format.json_schema.schema", "an object", schema)
+    strict = spec.get("strict")
+    return ResponseFormat("json_schema", json_text(schema), strict is True)
+
+
+def _parse_logit_bias(b: Body) -> tuple[tuple[int, float], ...]:
+    value = b.raw("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise wrong_type("logit_bias", "an object", value)
+    bias: list[tuple[int, float]] = []
+    for key, raw in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid(f"logit_bias key {key!r} is not a token id.", "logit_bias")
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or not -100 <= raw <= 100:
+            raise invalid("logit_bias values must be numbers from -100 to 100.", "logit_bias")
+        bias.append((int(key), float(raw)))
+    return tuple(bias)
+
+
+def _parse_output(b: Body, endpoint: Endpoint) -> Output:
+    n = b.int_("n", min_value=1, max_value=MAX_N)
+    output = Output(
+        n=n or 1,
+        logprobs=_parse_logprobs(b, endpoint),
+        response_format=_parse_response_format(b),
+        tool_use=parse_tool_use(b) if endpoint == "chat" else Output().tool_use,
+        logit_bias=_parse_logit_bias(b),
+        presence_penalty=b.float_("presence_penalty", min_value=-2.0, max_value=2.0) or 0.0,
+        frequency_penalty=b.float_("frequency_penalty", min_value=-2.0, max_value=2.0) or 0.0,
+    )
+    if output.tool_use.constrained and output.response_format.kind != "text":
+        raise invalid("A forced tool call and 'response_format' cannot be combined.", "tool_choice")
+    return output
+
+
+# --- messages ----------------------------------------------------------------------------
+
+
+def _text_content(value: object, param: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise wrong_type(param, "a string or an array of content parts", value)
+    texts: list[str] = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise wrong_type(f"{param}[{i}]", "an object", part)
+        if part.get("type") != "text":
+            raise unsupported(f"{param}[{i}].type", "Only text content parts are supported.")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise wrong_type(f"{param}[{i}].text", "a string", text)
+        texts.append(text)
+    return "\n".join(texts)  # vLLM joins text parts with newlines too
+
+
+def _parse_tool_calls(value: object, param: str) -> tuple[ToolCall, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise wrong_type(param, "an array", value)
+    calls: list[ToolCall] = []
+    for i, raw in enumerate(value):
+        function = raw.get("function") if isinstance(raw, dict) else None
+        if not isinstance(raw, dict) or not isinstance(function, dict):
+            raise wrong_type(f"{param}[{i}]", "a function tool call object", raw)
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise wrong_type(f"{param}[{i}].function", "a name and JSON arguments string", raw)
+        calls.append(ToolCall(str(raw.get("id", "")), name, arguments))
+    return tuple(calls)
+
+
+def _parse_message(i: int, raw: object) -> Message:
+    param = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise wrong_type(param, "an object", raw)
+    role = raw.get("role")
+    if role == "function" or raw.get("function_call") is not None:
+        raise unsupported(f"{param}.role", "Function messages are deprecated; use tools.")
+    if raw.get("audio") is not None:
+        raise unsupported(f"{param}.audio", "Audio is not supported by this server.")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise invalid(
+            f"Invalid role for '{param}': expected one of system, developer, user, "
+            f"assistant, tool, got {role!r}.",
+            f"{param}.role",
+        )
+    tool_calls = _parse_tool_calls(raw.get("tool_calls"), f"{param}.tool_calls")
+    if tool_calls and role != "assistant":
+        raise invalid("Only assistant messages carry 'tool_calls'.", f"{param}.tool_calls")
+    tool_call_id = raw.get("tool_call_id")
+    if role == "tool" and not isinstance(tool_call_id, str):
+        raise wrong_type(f"{param}.tool_call_id", "a string", tool_call_id)
+    return Message(
+        role=_ROLES[role],
+        content=_text_content(raw.get("content"), f"{param}.content"),
+        tool_calls=tool_calls,
+        tool_call_id=tool_call_id if role == "tool" else None,
+    )
+
+
+def _parse_messages(value: object) -> tuple[Message, ...]:
+    if not isinstance(value, list):
+        raise wrong_type("messages", "an array", value)
+    if not value:
+        raise invalid("'messages' must contain at least one message.", "messages")
+    return tuple(_parse_message(i, raw) for i, raw in enumerate(value))
+
+
+def _parse_chat_flags(b: Body, messages: tuple[Message, ...]) -> tuple[bool, bool]:
+    continue_final = b.bool_("continue_final_message", False)
+    # Continuing implies no new assistant header, so an unset flag defaults off.
+    add_generation = b.bool_("add_generation_prompt", not continue_final)
+    if continue_final and add_generation:
+        raise invalid(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+            "continue_final_message",
+        )
+    if continue_final and messages[-1].role != "assistant":
+        raise invalid(
+            "'continue_final_message' needs the last message to be from the assistant.",
+            "continue_final_message",
+        )
+    return add_generation, continue_final
+
+
+# --- public parsers ----------------------------------------------------------------------
+
+
+def _check_combination(sampling: SamplingParams, output: Output) -> None:
+    # A grammar ends on an end token; ignore_eos (min_tokens) would leave nothing to sample.
+    if output.needs_grammar and (sampling.ignore_eos or sampling.min_tokens):
+        name = "ignore_eos" if sampling.ignore_eos else "min_tokens"
+        raise invalid(f"'{name}' cannot be combined with constrained output.", name)
+
+
+def parse_chat(data: object) -> ChatRequest:
+    b = require_object(data)
+    check_fields(b.data, "chat")
+    messages = _parse_messages(b.raw("messages"))
+    add_generation, continue_final = _parse_chat_flags(b, messages)
+    stream, include_usage = _parse_stream(b)
+    sampling, output = _parse_sampling(b), _parse_output(b, "chat")
+    _check_combination(sampling, output)
+    return ChatRequest(
+        model=b.str_("model"),
+        messages=messages,
+        add_generation_prompt=add_generation,
+        continue_final_message=continue_final,
+        add_special_tokens=b.bool_("add_special_tokens", False),
+        stream=stream,
+        include_usage=include_usage,
+        sampling=sampling,
+        output=output,
+    )
+
+
+def _parse_prompt(value: object) -> str | tuple[int, ...]:
+    # One prompt per request: a string, token ids, or a one-element batch of either.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(i, int) for i in value):
+        return _parse_token_ids(value, "prompt")
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
+        raise unsupported("prompt", "Only one prompt per request is supported.")
+    raise wrong_type("prompt", "a string or an array of token ids", value)
+
+
+def parse_completion(data: object) -> CompletionRequest:
+    b = require_object(data)
+    check_fields(b.data, "completions")
+    stream, include_usage = _parse_stream(b)
+    sampling, output = _parse_sampling(b), _parse_output(b, "completions")
+    _check_combination(sampling, output)
+    return CompletionRequest(
+        model=b.str_("model"),
+        prompt=_parse_prompt(b.raw("prompt")),
+        add_special_tokens=b.bool_("add_special_tokens", True),
+        stream=stream,
+        include_usage=include_usage,
+        sampling=sampling,
+        output=output,
+    )
+
+
+def parse_tokenize(data: object) -> TokenizeRequest:
+    b = require_object(data)
+    if b.has("messages"):
+        messages = _parse_messages(b.raw("messages"))
+        add_generation, continue_final = _parse_chat_flags(b, messages)
+        return TokenizeRequest(
+            model=b.str_("model"),
+            messages=messages,
+            prompt=None,
+            add_generation_prompt=add_generation,
+            continue_final_message=continue_final,
+            # The chat template already contains the special tokens.
+            add_special_tokens=b.bool_("add_special_tokens", False),
+            tools=parse_tools(b),
+        )
+    prompt = b.str_("prompt")
+    if prompt is None:
+        raise invalid("Either 'prompt' or 'messages' is required.", "prompt")
+    return TokenizeRequest(
+        model=b.str_("model"),
+        messages=None,
+        prompt=prompt,
+        add_generation_prompt=False,
+        continue_final_message=False,
+        add_special_tokens=b.bool_("add_special_tokens", True),
+    )
+
+
+def context_length_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+        f"{max_tokens} in the completion). Please reduce the length of the messages or "
+        "completion.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def resolve_max_tokens(prompt_tokens: int, requested: int | None, max_model_len: int) -> int:
+    """The completion budget, or a `context_length_exceeded` error (as vLLM does)."""
+    room = max_model_len - prompt_tokens
+    if requested is None:
+        if room < 1:
+            raise context_length_error(prompt_tokens, 1, max_model_len)
+        return room
+    if requested > room:
+        raise context_length_error(prompt_tokens, requested, max_model_len)
+    return requested

@@ -1,0 +1,96 @@
+"""Chat and completion requests, from the routed request to the pipeline.
+
+The middlewares have already set the request id (and the log context),
+checked the path and the client's key. Here: the body (size, time, coding),
+its parse, the request's priority and its session context — then the
+pipeline (`proxy.pipeline.serve_completion`).
+Anything refused here raises `RequestRejected`; the error middleware answers
+it, counts it and logs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from proxy.errors import RequestRejected
+from proxy.ingress.body import read_body
+from proxy.ingress.context import REQUEST_ID, STARTED_AT
+from proxy.ingress.validate import Endpoint, parse_body
+from proxy.openai.auth import bearer_token
+from proxy.openai.messages import last_user_text
+from proxy.pipeline import serve_completion
+from proxy.runtime.generation import Runtime
+from proxy.runtime.keys import STATE
+from proxy.sessions.conversation import SessionContext
+from proxy.sessions.store import SessionIdError, session_key
+
+log = structlog.get_logger("brownout.request")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await forward_completion(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await forward_completion(request, "completions")
+
+
+async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    rt = request.app[STATE].current
+    server = rt.policy.server
+    raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+    parsed = parse_body(raw, endpoint)
+    if server.log_prompts:
+        # Opt-in only: prompts can hold personal data. (The parse refused lone
+        # surrogates, so every string here can be written as JSON.)
+        log.info("prompt", messages=parsed.body.get("messages"), prompt=parsed.body.get("prompt"))
+    api_key = bearer_token(request.headers.get("Authorization"))
+    priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
+    sid = request.headers.get("X-Session-Id")
+    session = session_context(rt, sid, api_key, parsed.body, endpoint) if sid is not None else None
+    rt.inflight += 1
+    try:
+        return await serve_completion(
+            request,
+            rt,
+            endpoint,
+            raw,
+            parsed.body,
+            parsed.stream,
+            request[REQUEST_ID],
+            request[STARTED_AT],
+            priority,
+            session,
+        )
+    finally:
+        rt.inflight -= 1
+
+
+def session_context(
+    rt: Runtime, sid: str, api_key: str | None, body: dict[str, Any], endpoint: Endpoint
+) -> SessionContext:
+    """The session a request belongs to, or the RequestRejected that says why it can't."""
+    if endpoint != "chat":
+        raise RequestRejected(
+            400,
+            "X-Session-Id is only supported on /v1/chat/completions",
+            "invalid_session",
+            "X-Session-Id",
+        )
+    try:
+        # With client keys configured, the key scopes the session.
+        key = session_key(rt.policy.sessions.key_prefix, sid, api_key)
+    except SessionIdError as exc:
+        raise RequestRejected(400, str(exc), "invalid_session_id", "X-Session-Id") from None
+    text = last_user_text(body)
+    if text is None:
+        raise RequestRejected(
+            400,
+            "a session request must contain a user message with text (the new question)",
+            "invalid_session",
+            "messages",
+        )
+    return SessionContext(key=key, user_text=text)

@@ -1,0 +1,163 @@
+"""The listening socket, with a deadline on request headers (slow-loris).
+
+aiohttp has no header-read timeout: a client sending a header byte every few
+seconds holds its connection (and a file descriptor) until the keep-alive
+timer, 75 s, however many connections it opens. Here each connection's
+protocol is wrapped: the headers of a request must be complete within
+`server.header_timeout_s` of the request's first byte (hyper's rule), or the
+connection is closed. An idle keep-alive connection (no byte of a next
+request yet) is left to aiohttp's keep-alive timeout, so nginx's upstream
+keep-alive pool is not cut.
+
+"Headers complete" is observed where it is certain: the request reached the
+app (`request_started`, called by the request-context middleware); bytes
+that arrive while a request is being handled, or until its body has been
+read to the end, are its body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+TimeoutSource = Callable[[], float]
+
+
+class HeaderDeadline(asyncio.Protocol):
+    """Wraps aiohttp's protocol for one connection; forwards every event."""
+
+    __slots__ = ("_busy", "_handle", "_inner", "_loop", "_on_timeout", "_timeout", "_transport")
+
+    def __init__(
+        self,
+        inner: RequestHandler,
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float,
+        on_timeout: Callable[[], None],
+    ) -> None:
+        self._inner = inner
+        self._loop = loop
+        self._timeout = timeout_s
+        self._on_timeout = on_timeout
+        self._handle: asyncio.TimerHandle | None = None
+        self._busy = False
+        self._transport: asyncio.BaseTransport | None = None
+
+    # -- asyncio.Protocol, forwarded -------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._busy and self._handle is None and self._timeout > 0:
+            # The first byte of a request's head: its deadline starts.
+            self._handle = self._loop.call_later(self._timeout, self._expire)
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        self._inner.eof_received()
+        return None  # aiohttp's protocol never keeps a half-closed connection open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    # -- the deadline ----------------------------------------------------------
+
+    def started(self) -> None:
+        self._busy = True
+        self._cancel()
+
+    def finished(self) -> None:
+        self._busy = False
+
+    def _cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _expire(self) -> None:
+        self._handle = None
+        if self._busy or self._transport is None:
+            return
+        self._on_timeout()
+        self._transport.close()
+
+
+def _deadline_of(request: web.BaseRequest) -> HeaderDeadline | None:
+    transport = request.transport
+    if transport is None:
+        return None
+    protocol = transport.get_protocol()
+    return protocol if isinstance(protocol, HeaderDeadline) else None
+
+
+def request_started(request: web.BaseRequest) -> None:
+    d = _deadline_of(request)
+    if d is not None:
+        d.started()
+
+
+def request_finished(request: web.BaseRequest) -> None:
+    d = _deadline_of(request)
+    if d is None:
+        return
+    if request.content.is_eof():
+        d.finished()
+    else:
+        # Answered before its body was read (a 405, a 413): the rest of the
+        # body still arrives (aiohttp drains it) and is no next request's head.
+        request.content.on_eof(d.finished)
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose connections have the header deadline. The timeout is
+    read per connection, so a policy reload changes it for new connections."""
+
+    __slots__ = ("_host", "_on_timeout", "_port", "_timeout")
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        header_timeout_s: TimeoutSource,
+        on_timeout: Callable[[], None] = lambda: None,
+        backlog: int = 128,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._timeout = header_timeout_s
+        self._on_timeout = on_timeout
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+
+        def protocol() -> asyncio.Protocol:
+            return HeaderDeadline(server(), loop, self._timeout(), self._on_timeout)
+
+        self._server = await loop.create_server(
+            protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )
+        sock: socket.socket = self._server.sockets[0]
+        self._port = sock.getsockname()[1]

@@ -1,0 +1,213 @@
+"""What cuts across every route, as aiohttp middlewares (outermost first):
+
+1. `request_context` — the request id (the client's sane `X-Request-Id`, or
+   a fresh one) bound into structlog's contextvars once, so every log line of
+   the request carries `request_id`; sent back on every response.
+2. `openai_errors` — whatever a handler raises becomes an OpenAI error
+   object: `RequestRejected` (4xx), aiohttp's `HTTPException`s (404, 405 with
+   `Allow`, 413, ...), and any other exception (500 `internal_error`). No
+   input gets a plain-text error from the app.
+3. `check_path` — a path not in canonical form is refused before anything
+   is routed on or forwarded (`proxy.ingress.paths`).
+4. `authenticate` — the route's credential: client keys (`server.api_keys`)
+   or the admin token, each compared in constant time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+
+import structlog
+from aiohttp import web
+
+from proxy.errors import RequestRejected, error_response
+from proxy.ingress import listen
+from proxy.ingress.context import REQUEST_ID, STARTED_AT
+from proxy.ingress.paths import path_problem
+from proxy.ingress.routes import Route, route_of
+from proxy.openai.auth import bearer_token, is_valid_utf8, key_matches
+from proxy.openai.errors import HTTP_CODES, error_body, error_type_for
+from proxy.runtime.generation import request_id
+from proxy.runtime.keys import STATE
+
+log = structlog.get_logger("brownout.request")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The response once its headers are on their way (set by `stamp_response`).
+_PREPARED: web.RequestKey[web.StreamResponse] = web.RequestKey(
+    "brownout_prepared", web.StreamResponse
+)
+
+
+@web.middleware
+async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    rid = request_id(request.headers.get("X-Request-Id"))
+    request[REQUEST_ID] = rid
+    request[STARTED_AT] = asyncio.get_running_loop().time()
+    # One connection's task serves its keep-alive requests one after the
+    # other: start from an empty context, leave an empty one.
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    listen.request_started(request)
+    try:
+        return await handler(request)
+    finally:
+        listen.request_finished(request)
+        structlog.contextvars.clear_contextvars()
+
+
+async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: every response carries the request's id."""
+    rid = request.get(REQUEST_ID)
+    if rid is not None:
+        response.headers["X-Request-Id"] = rid
+        request[_PREPARED] = response
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise  # redirects stay as aiohttp makes them
+        if _PREPARED in request:
+            return await _internal_error(request, exc)
+        return reject(request, _from_http(request, exc), exc.headers)
+    except Exception as exc:
+        if isinstance(exc, RequestRejected) and _PREPARED not in request:
+            return reject(request, exc)
+        return await _internal_error(request, exc)
+
+
+def reject(
+    request: web.Request, rej: RequestRejected, extra: Mapping[str, str] | None = None
+) -> web.Response:
+    """The answer to a request refused before (or outside) the pipeline:
+    counted, logged once, an OpenAI error object."""
+    route = route_of(request)
+    headers: dict[str, str] = {}
+    if extra is not None:
+        headers.update(
+            (k, v) for k, v in extra.items() if k.lower() not in ("content-type", "content-length")
+        )
+    state = request.app.get(STATE)
+    if state is not None:
+        rt = state.current
+        rt.metrics.bad_requests.labels(rej.code).inc()
+        rt.count_request("none", route.name if route else "unknown", rej.status)
+        if request.path.startswith("/v1/"):
+            headers["X-Brownout-Tier"] = rt.tier
+    log.info(
+        "request_rejected",
+        status=rej.status,
+        reason=rej.code,
+        method=request.method,
+        path=request.rel_url.raw_path[:200],  # ASCII: aiohttp refuses raw non-ASCII targets
+    )
+    return error_response(
+        rej.status,
+        rej.message,
+        type_=rej.type_,
+        code=rej.code,
+        param=rej.param,
+        headers=headers,
+    )
+
+
+def _from_http(request: web.Request, exc: web.HTTPException) -> RequestRejected:
+    status = exc.status
+    where = f"{request.method} {request.rel_url.raw_path}"
+    if status == 404:
+        message = f"Invalid URL ({where}): no such route"
+    elif status == 405:
+        allowed = exc.headers.get("Allow", "")
+        message = f"Method not allowed ({where}); allowed: {allowed}"
+    else:
+        message = exc.text if exc.text and exc.content_type == "text/plain" else exc.reason
+    code = HTTP_CODES.get(status, f"http_{status}")
+    return RequestRejected(status, message, code, type_=error_type_for(status))
+
+
+async def _internal_error(request: web.Request, exc: Exception) -> web.StreamResponse:
+    """A bug, not the client's fault: logged with its traceback, answered 500
+    (or, once a stream's 200 went out, ended with an in-band error event)."""
+    log.error("internal_error", error=type(exc).__name__, exc_info=exc)
+    state = request.app.get(STATE)
+    route = route_of(request)
+    if state is not None:
+        state.current.count_request("none", route.name if route else "unknown", 500)
+    body = error_body(
+        "internal error in the proxy (logged with this request's id)",
+        "server_error",
+        HTTP_CODES[500],
+    )
+    prepared: web.StreamResponse | None = request.get(_PREPARED)
+    if prepared is None:
+        return web.Response(status=500, body=body, content_type="application/json")
+    ctype = prepared.headers.get("Content-Type", "")
+    if not ctype.startswith("text/event-stream"):
+        raise exc  # a body is half sent: only closing the connection says so
+    # A stream already under way ends with an in-band error event, which the
+    # OpenAI SDKs raise as an APIError (an end without one looks like success).
+    try:
+        await prepared.write(b"data: " + body + b"\n\ndata: [DONE]\n\n")
+        await prepared.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass
+    return prepared
+
+
+@web.middleware
+async def check_path(request: web.Request, handler: Handler) -> web.StreamResponse:
+    problem = path_problem(request.rel_url.raw_path)
+    if problem is None:
+        return await handler(request)
+    message = problem.message
+    if problem.suggestion is not None:
+        message += f" (did you mean {problem.suggestion}?)"
+    code = "invalid_path" if problem.status == 400 else HTTP_CODES[404]
+    raise RequestRejected(problem.status, message, code)
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    route = route_of(request)
+    if route is None or route.auth == "none":
+        return await handler(request)
+    header = request.headers.get("Authorization")
+    if header is not None and not is_valid_utf8(header):
+        raise RequestRejected(
+            400, "the Authorization header is not valid UTF-8", "invalid_header", "Authorization"
+        )
+    _check_credential(request, route, bearer_token(header))
+    return await handler(request)
+
+
+def _check_credential(request: web.Request, route: Route, token: str | None) -> None:
+    policy = request.app[STATE].current.policy.server
+    if route.auth == "admin":
+        if not policy.admin_token:
+            raise RequestRejected(
+                403,
+                "admin endpoints are disabled: set server.admin_token in the policy",
+                "admin_disabled",
+                type_="permission_error",
+            )
+        if not key_matches(token, (policy.admin_token,)):
+            raise RequestRejected(
+                401, "missing or wrong admin token", "unauthorized", type_="authentication_error"
+            )
+    elif policy.api_keys and not key_matches(token, policy.api_keys):
+        raise RequestRejected(401, "invalid or missing API key", "invalid_api_key")
+
+
+MIDDLEWARES = (request_context, openai_errors, check_path, authenticate)
+
+
+def install(app: web.Application) -> None:
+    """The middlewares, in order, and the response stamp."""
+    app.middlewares.extend(MIDDLEWARES)
+    app.on_response_prepare.append(stamp_response)

@@ -1,0 +1,143 @@
+"""Validation of OpenAI request bodies before anything goes upstream.
+
+Only what the proxy relies on is checked (shape, types of the fields it
+reads); everything else is the backend's business and passes untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from proxy.errors import RequestRejected
+
+Endpoint = Literal["chat", "completions"]
+
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    body: dict[str, Any]
+    stream: bool
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> RequestRejected:
+    return RequestRejected(400, message, code, param)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object from a request body, or RequestRejected (400) that says why.
+
+    orjson keeps this total: nesting deeper than 1,024 levels, numbers beyond
+    a double (a 5,000-digit integer), invalid UTF-8 and lone surrogate escapes
+    (`"\\ud800"`, which no encoder downstream — Redis saves, log lines,
+    maintenance answers — can write back) are all refused here, as JSON
+    errors with their position, never raised further."""
+    if not raw:
+        raise _bad("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if "UTF-8" in exc.msg:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as ude:
+                raise _bad(
+                    f"request body is not valid UTF-8 (byte {ude.start})", code="invalid_encoding"
+                ) from None
+        hint = (
+            " (a lone UTF-16 surrogate escape such as \\ud800 is no character)"
+            if "surrogate" in exc.msg
+            else ""
+        )
+        raise _bad(
+            f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+            f"column {exc.colno}{hint}",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
+    """Decode and check a request body; raise RequestRejected with a clear reason."""
+    body = parse_json_object(raw)
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream", "invalid_type")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model", "invalid_type")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise _bad(f"'{key}' must be a non-negative integer", key, "invalid_type")
+    for key in ("temperature", "top_p"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, int | float) or isinstance(v, bool)):
+            raise _bad(f"'{key}' must be a number", key, "invalid_type")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+
+    if endpoint == "chat":
+        _check_messages(body)
+    else:
+        _check_prompt(body)
+    return ParsedRequest(body, stream)
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("'messages' is required", "messages", "missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{where}' must be an object", where, "invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise _bad(
+                f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}",
+                f"{where}.role",
+                "invalid_type",
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _bad(
+                f"'{where}.content' must be a string or a list of parts",
+                f"{where}.content",
+                "invalid_type",
+            )
+        if isinstance(content, list):
+            _check_parts(content, f"{where}.content")
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    """Content parts: objects; a `type`, when given, is a string; a `text`,
+    when given, is a string (the proxy reads it: sessions, FAQ matching)."""
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(f"'{at}' must be an object", at, "invalid_type")
+        if not isinstance(part.get("type", ""), str):
+            raise _bad(f"'{at}.type' must be a string", f"{at}.type", "invalid_type")
+        if "text" in part and not isinstance(part["text"], str):
+            raise _bad(f"'{at}.text' must be a string", f"{at}.text", "invalid_type")
+
+
+def _check_prompt(body: dict[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _bad("'prompt' is required", "prompt", "missing_field")
+    if not isinstance(prompt, str | list):
+        raise _bad("'prompt' must be a string or a list", "prompt", "invalid_type")

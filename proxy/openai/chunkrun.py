@@ -1,0 +1,135 @@
+"""Runs of stream chunks that differ only in their text.
+
+vLLM wraps every token in the same envelope — `data: {"id":…,"object":…,
+"created":…,"model":…,"choices":[{"index":0,"delta":{"content":"` + text +
+`"},"logprobs":null,"finish_reason":null}]}` and a blank line. When a read
+returns many events at once (a fast engine, a slow client catching up), the
+relay's marker searches and the guard's shape checks would scan all those
+envelope bytes. Once a stream's envelope is known, one `split` on newlines, a
+slice per event and one comparison of the rebuilt bytes with the original
+prove that a run of events holds nothing but text chunks — no error, no
+finish, no `[DONE]` — and hand over the text literals.
+
+Sound because a JSON string cannot hold a raw newline: splitting on `\\n`
+finds every event, and byte equality with `prefix + literal + suffix` for
+each leaves nothing unchecked.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, cast
+
+from proxy.openai.chunks import CONTENT_RE, TEXT_RE, single_choice_events
+
+# Below this a region is a few events: the plain searches are as cheap.
+MIN_RUN_BYTES: Final = 2048
+# Envelopes that vary per chunk (e.g. usage on every chunk) never form runs;
+# stop trying after this many failed attempts to learn one.
+MAX_LEARN_FAILURES: Final = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """`region[start:end]` is `len(literals)` text chunks of one envelope."""
+
+    start: int
+    end: int
+    literals: list[bytes]  # each chunk's raw JSON string contents (escapes kept)
+
+
+class ChunkRuns:
+    """Per stream: learns the envelope, then finds runs of it in regions."""
+
+    __slots__ = ("_failures", "_junction", "_last", "_literal", "_prefix", "_suffix")
+
+    def __init__(self) -> None:
+        self._prefix = b""
+        self._suffix = b""
+        self._junction = b""
+        self._literal: Callable[[bytes], bytes] | None = None
+        self._last: bytes | None = None
+        self._failures = 0
+
+    def cut(self, region: bytes) -> Run | None:
+        """The run of envelope chunks in `region` (whole events, LF line
+        ends), if one is there and the region is big enough to be worth it.
+
+        The envelope is learnt from the last event of the previous region, or
+        from the middle of a big first region; small single-read answers never
+        pay for learning.
+        """
+        literal = self._literal
+        big = len(region) >= MIN_RUN_BYTES
+        if literal is None:
+            last, self._last = self._last, region
+            if self._failures >= MAX_LEARN_FAILURES:
+                return None
+            if last is not None:
+                event = last[last.rfind(b"\n\n", 0, len(last) - 2) + 2 :]
+            elif big:  # from its middle: the first and last chunks are special
+                at = region.find(b"\n\n", len(region) // 2) + 2
+                event = region[at : region.find(b"\n\n", at) + 2]
+            else:
+                return None
+            if not self._learn(event):
+                return None
+            literal = self._literal
+            assert literal is not None
+        if not big:
+            return None
+        prefix, suffix = self._prefix, self._suffix
+        if region.startswith(prefix):
+            i = 0
+        else:
+            i = region.find(b"\n\n" + prefix)
+            if i < 0:
+                # The envelope changed (or never was the common one): relearn.
+                self._literal = None
+                self._last = region
+                return None
+            i += 2
+        n = len(region)
+        if region.endswith(suffix):
+            j = n
+        else:
+            j = region.rfind(suffix)
+            if j < i:
+                return None
+            j += len(suffix)
+        mid = region if i == 0 and j == n else region[i:j]
+        lines = mid.split(b"\n")  # e1, "", e2, "", …, ek, "", ""
+        literals = list(map(literal, lines[0:-2:2]))
+        if prefix + self._junction.join(literals) + suffix != mid:
+            return None
+        return Run(i, j, literals)
+
+    def _learn(self, event: bytes) -> bool:
+        ok = (
+            event.startswith(b"data: {")
+            and event.endswith(b"}\n\n")
+            and single_choice_events(event)
+        )
+        m = None
+        if ok:
+            found = [*CONTENT_RE.finditer(event), *TEXT_RE.finditer(event)]
+            m = found[0] if len(found) == 1 else None
+        if m is None:
+            self._failures += 1
+            return False
+        prefix, suffix = event[: m.start(1)], event[m.end(1) :]
+        if (
+            b'"choices"' not in prefix
+            or b'"role"' in prefix  # the first chunk of a chat answer
+            or not (b'"finish_reason":null' in suffix or b'"finish_reason": null' in suffix)
+        ):
+            self._failures += 1
+            return False
+        self._prefix, self._suffix, self._junction = prefix, suffix, suffix + prefix
+        # A C-level slice per event line (the line lacks the suffix's blank line).
+        self._literal = cast(
+            "Callable[[bytes], bytes]", operator.itemgetter(slice(len(prefix), 2 - len(suffix)))
+        )
+        return True

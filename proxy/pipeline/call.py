@@ -1,0 +1,89 @@
+"""The backend call: request headers, the POST (or pass-through method), and
+what a failed call means — as an `AttemptResult`, never an exception.
+
+Redirects are never followed (`allow_redirects=False`): a backend's 3xx is
+its answer, and following it would reach a URL the protections never saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from proxy.backends.upstream import Upstream
+from proxy.ingress.headers import forward_headers
+from proxy.openai.errors import error_body
+from proxy.pipeline.record import AttemptResult, RequestRecord
+
+
+def upstream_headers(rec: RequestRecord, up: Upstream, *, entity: bool = True) -> CIMultiDict[str]:
+    # Entity headers describe the forwarded bytes, not the client's (proxy.ingress.headers).
+    out = forward_headers(rec.request.headers, rec.rid, up.auth_header)
+    if not entity:
+        out.popall("Content-Type", None)
+    return out
+
+
+def failed(
+    up: Upstream, status: int, message: str, code: str, fault: str, detail: str = ""
+) -> AttemptResult:
+    """A failure before the first byte: the error to pass on if nothing else answers."""
+    return AttemptResult(
+        "failed",
+        up.name,
+        status,
+        "error",
+        detail=detail,
+        fault=fault,
+        body=error_body(message, "server_error", code),
+    )
+
+
+async def call(
+    rec: RequestRecord,
+    up: Upstream,
+    url: URL,
+    payload: bytes | None,
+    deadline: float,
+    method: str = "POST",
+    **extra: Any,
+) -> aiohttp.ClientResponse | AttemptResult:
+    """The backend's response (status and headers read), or why there is none."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await up.session.request(
+                method,
+                url,
+                data=payload,
+                headers=upstream_headers(rec, up, entity=payload is not None),
+                allow_redirects=False,
+                **extra,
+            )
+    except aiohttp.ClientConnectorError as exc:
+        reason = exc.os_error.strerror or str(exc)
+        message = f"{up.name} backend unreachable: {reason}"
+        return failed(up, 502, message, "upstream_unreachable", "connect", reason)
+    except TimeoutError:
+        return failed(
+            up,
+            504,
+            "backend did not answer before the deadline",
+            "upstream_timeout",
+            "first_byte_timeout",
+        )
+    except aiohttp.ClientError as exc:
+        name = type(exc).__name__
+        return failed(up, 502, f"backend request failed: {name}", "upstream_error", "request", name)
+
+
+def close(resp: aiohttp.ClientResponse) -> None:
+    if resp.content.is_eof():
+        resp.release()
+    else:
+        # Not fully read (client left, error, timeout): closing the connection
+        # makes vLLM abort the request and free its KV cache.
+        resp.close()

@@ -1,0 +1,78 @@
+"""The finish step: one terminal record per request — one metrics update and
+one access-log line, on every path (answer, upstream error, shed, maintenance,
+rejected, client disconnect, unexpected exception)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal
+
+log = structlog.get_logger("brownout.request")
+
+
+def terminal_of(result: AttemptResult) -> Terminal:
+    return Terminal(
+        result.backend,
+        result.status,
+        result.outcome,
+        result.detail,
+        client_ttft=result.client_ttft,
+        overhead=result.overhead if result.kind == "answered" else None,
+        events=result.events,
+        stream_error=result.outcome if result.delivered and result.kind == "ended" else "",
+        bad_request=result.code if result.kind == "refused" else "",
+    )
+
+
+def finish(rec: RequestRecord, term: Terminal) -> None:
+    rt = rec.rt
+    m = rt.metrics
+    now = rec.loop.time()
+    elapsed = now - rec.t0
+    rt.count_request(term.backend, rec.endpoint, term.status)
+    bm = rt.backend_metrics.get(term.backend)
+    if bm is not None:
+        bm.duration.observe(elapsed)
+        bm.ttft.observe(term.client_ttft if term.client_ttft is not None else elapsed)
+    if term.overhead is not None:
+        m.overhead.observe(term.overhead)
+    if term.outcome == "client_disconnect":
+        m.client_disconnects.labels(term.backend).inc()
+    elif term.stream_error:
+        m.stream_errors.labels(term.backend, term.stream_error).inc()
+    if term.bad_request:
+        m.bad_requests.labels(term.bad_request).inc()
+    extra: dict[str, Any] = {}
+    notes = []
+    for backend, sg in rec.guards:
+        # Guard notes (log-mode rules, dropped malformed events): counted, and
+        # named once in this line whatever their number.
+        for note in sg.notes:
+            count = sg.dropped if note.rule == "malformed" and sg.dropped else 1
+            m.guard_notes.labels(note.rule, backend).inc(count)
+            notes.append(
+                {"rule": note.rule, "backend": backend, "count": count, "excerpt": note.excerpt}
+            )
+    if notes:
+        extra["guard_notes"] = notes
+    if rec.rescued:
+        extra["rescued"] = True
+    if term.detail:
+        extra["detail"] = term.detail
+    log.info(
+        "request",
+        request_id=rec.rid,
+        endpoint=rec.endpoint,
+        backend=term.backend,
+        tier=rt.tier,
+        status=term.status,
+        stream=rec.stream,
+        outcome=term.outcome,
+        duration_ms=round(elapsed * 1000, 2),
+        ttft_ms=round(term.client_ttft * 1000, 2) if term.client_ttft is not None else None,
+        events=term.events,
+        **extra,
+    )

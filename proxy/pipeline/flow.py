@@ -1,0 +1,124 @@
+"""The request pipeline, stage by stage (see the package docstring).
+
+`serve` is the only place a request's end is recorded: whatever the stages
+return, raise or suffer (a client that leaves cancels the handler), exactly
+one `Terminal` goes to `finish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from proxy.errors import error_response
+from proxy.openai.sse import error_events
+from proxy.pipeline.answers import maintenance, passed_error, proxy_error
+from proxy.pipeline.attempts import run_attempts
+from proxy.pipeline.finish import finish, terminal_of
+from proxy.pipeline.inbox import Inbox
+from proxy.pipeline.record import RequestRecord, Terminal
+from proxy.pipeline.sessions import load_history, save_turn
+from proxy.policy import Priority
+from proxy.runtime.generation import Runtime
+from proxy.sessions.conversation import SessionContext
+
+log = structlog.get_logger("brownout.request")
+
+
+async def serve_completion(
+    request: web.Request,
+    rt: Runtime,
+    endpoint: str,
+    raw: bytes,
+    body: dict[str, Any],
+    stream: bool,
+    rid: str,
+    t0: float,
+    priority: Priority = "normal",
+    session: SessionContext | None = None,
+) -> web.StreamResponse:
+    """/v1/chat/completions and /v1/completions (`endpoint`: chat | completions)."""
+    rec = RequestRecord(request, rt, endpoint, raw, body, stream, rid, t0, priority, session)
+    return await serve(rec)
+
+
+async def serve_passthrough(
+    request: web.Request, rt: Runtime, raw: bytes, rid: str, t0: float, priority: Priority
+) -> web.StreamResponse:
+    """Every other /v1/* request: the same stages, the body passed on unchanged."""
+    rec = RequestRecord(request, rt, "passthrough", raw, {}, False, rid, t0, priority)
+    return await serve(rec)
+
+
+async def serve(rec: RequestRecord) -> web.StreamResponse:
+    inbox = Inbox(rec.rt, rec.rid)
+    term: Terminal | None = None
+    try:
+        response, term = await _stages(rec, inbox)
+        return response
+    except asyncio.CancelledError:
+        # The client went away (aiohttp cancels the handler): no answer to
+        # give, but the request still ends on the record.
+        client = rec.client
+        started = client is not None and client.prepared
+        term = Terminal(rec.backend, 200 if started else 499, "client_disconnect")
+        raise
+    except Exception as exc:
+        log.exception("request_failed", request_id=rec.rid, error=type(exc).__name__)
+        response, term = await _internal_error(rec, exc)
+        return response
+    finally:
+        if term is not None:
+            finish(rec, term)
+
+
+async def _stages(rec: RequestRecord, inbox: Inbox) -> tuple[web.StreamResponse, Terminal]:
+    rt = rec.rt
+    await load_history(rec, inbox)
+    dest, candidates = rt.route()
+    if dest == "maintenance":
+        return maintenance(rec, inbox, f"tier {rt.tier}")
+    passthrough = rec.endpoint == "passthrough"
+    result = await run_attempts(rec, inbox, candidates, passthrough=passthrough)
+    if result is None or result.kind == "failed":
+        if rt.policy.ladder.maintenance.enabled:
+            return maintenance(rec, inbox, "no backend could answer")
+        if result is None:
+            return proxy_error(rec, 502, "no backend could be reached", "upstream_unreachable")
+        return passed_error(rec, result)
+    if result.answer is not None:
+        await save_turn(rec, result.answer, inbox)
+    assert result.response is not None
+    return result.response, terminal_of(result)
+
+
+async def _internal_error(
+    rec: RequestRecord, exc: Exception
+) -> tuple[web.StreamResponse, Terminal]:
+    """An unexpected exception: an OpenAI error, in-band when the stream is under way."""
+    message = f"internal error in the proxy ({type(exc).__name__})"
+    client = rec.client
+    if client is not None and client.prepared:
+        if rec.endpoint == "passthrough" and not client.headers.get("Content-Type", "").startswith(
+            "text/event-stream"
+        ):
+            # A body of unknown format under way: cut it rather than end it.
+            transport = rec.request.transport
+            if transport is not None:
+                transport.close()
+        else:
+            with contextlib.suppress(
+                ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError
+            ):
+                await client.write(error_events(message, "server_error", "internal_error"))
+        term = Terminal(rec.backend, 200, "internal_error", message, stream_error="internal_error")
+        return client, term
+    response = error_response(
+        500, message, type_="server_error", code="internal_error", headers=rec.headers(rec.backend)
+    )
+    return response, Terminal(rec.backend, 500, "internal_error", message)

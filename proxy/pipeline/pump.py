@@ -1,0 +1,401 @@
+"""The streaming pump: upstream SSE events → client, as they arrive.
+
+Per request, not per chunk: the idle watchdog and the heartbeat are timer
+callbacks that re-arm themselves only when they fire, so a chunk costs a
+read, a parse (one `find` in the common case), a few byte checks and a write.
+
+Until the first event arrives the client has not seen a status line yet, so a
+failure there (an error event, a timeout) can still become a proper HTTP
+error. If the upstream is slow to start (long prefill), headers and an SSE
+comment heartbeat go out after `heartbeat_s` so that nginx and load balancers
+keep the connection; from then on failures are reported in-band:
+`data: {"error": ...}` then `data: [DONE]`, never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+from aiohttp import web
+
+from proxy.guard.core import StreamGuard, Trip
+from proxy.openai.chunkrun import ChunkRuns
+from proxy.openai.chunks import error_status, is_error_event, markers
+from proxy.openai.errors import error_body
+from proxy.openai.headers import STREAM_ONLY
+from proxy.openai.sse import (
+    DONE_EVENT,
+    HEARTBEAT,
+    MAX_EVENT_BYTES,
+    EventTooLarge,
+    SSEFramer,
+    error_events,
+    error_payload,
+    json_event,
+)
+
+Outcome = Literal[
+    "complete",  # [DONE] (or finish_reason then EOF) seen
+    "guard_trip",  # the output guard stopped invalid output
+    "upstream_error",  # the upstream sent an in-band error event
+    "truncated",  # upstream closed without finishing
+    "idle_timeout",
+    "first_byte_timeout",
+    "upstream_disconnect",
+    "client_disconnect",
+    "event_too_large",  # an event outgrew server.max_event_bytes
+]
+
+
+@dataclass(slots=True)
+class StreamResult:
+    outcome: Outcome
+    status: int  # HTTP status the client saw (or will see)
+    client: web.StreamResponse | None = None
+    # Set when the client has seen nothing yet: the error answer to send (or
+    # to drop, when the caller retries the request elsewhere).
+    response: web.Response | None = None
+    events: int = 0
+    headers_sent_at: float | None = None  # loop time of the client's first byte
+    first_event_at: float | None = None  # loop time of the upstream's first event
+    detail: str = ""
+    code: str = ""  # error code for an in-band error event
+    error_event: bytes = b""  # the upstream's own error event, when it sent one
+    regions: list[bytes] | None = None  # what was forwarded, when asked to keep it
+    trip: Trip | None = None  # why the guard stopped the stream
+    kept_overflow: bool = False  # more than keep_limit bytes: regions were let go
+
+    @property
+    def started(self) -> bool:
+        return self.headers_sent_at is not None
+
+
+class _Pump:
+    """State of one relayed stream, shared by the read loop and its timers."""
+
+    __slots__ = (
+        "_hb_handle",
+        "_hb_task",
+        "_idle_handle",
+        "client",
+        "first_event",
+        "heartbeat_s",
+        "idle_s",
+        "last_activity",
+        "loop",
+        "request",
+        "timed_out",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        client: web.StreamResponse,
+        heartbeat_s: float,
+        idle_s: float,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.request = request
+        self.upstream = upstream
+        self.client = client
+        self.heartbeat_s = heartbeat_s
+        self.idle_s = idle_s
+        self.last_activity = self.loop.time()
+        self.first_event = False
+        self.timed_out = False
+        self._hb_task: asyncio.Task[None] | None = None
+        # heartbeat_s 0 = no heartbeats.
+        self._hb_handle: asyncio.TimerHandle | None = (
+            self.loop.call_later(heartbeat_s, self._on_heartbeat) if heartbeat_s > 0 else None
+        )
+        self._idle_handle: asyncio.TimerHandle | None = None
+
+    # -- timers ------------------------------------------------------------------
+
+    def start_idle_watch(self) -> None:
+        self._idle_handle = self.loop.call_later(self.idle_s, self._on_idle)
+
+    def _on_idle(self) -> None:
+        due = self.last_activity + self.idle_s
+        if self.loop.time() >= due:
+            self.timed_out = True
+            # Closing the response wakes the reader with an error right away.
+            self.upstream.close()
+        else:
+            self._idle_handle = self.loop.call_at(due, self._on_idle)
+
+    def _on_heartbeat(self) -> None:
+        due = self.last_activity + self.heartbeat_s
+        now = self.loop.time()
+        if now >= due and (self._hb_task is None or self._hb_task.done()):
+            self._hb_task = self.loop.create_task(self._send_heartbeat())
+            due = now + self.heartbeat_s
+        self._hb_handle = self.loop.call_at(due, self._on_heartbeat)
+
+    async def _send_heartbeat(self) -> None:
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+            if not self.client.prepared:
+                await self.client.prepare(self.request)
+            await self.client.write(HEARTBEAT)
+
+    async def settle_heartbeat(self) -> None:
+        """Wait for a heartbeat write in progress, so writes never overlap."""
+        task = self._hb_task
+        if task is not None and not task.done():
+            await task
+
+    def stop(self) -> None:
+        if self._hb_handle is not None:
+            self._hb_handle.cancel()
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        if self._hb_task is not None and not self._hb_task.done():
+            self._hb_task.cancel()
+
+
+async def relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    headers: Mapping[str, str],
+    *,
+    heartbeat_s: float,
+    first_byte_deadline: float,
+    idle_s: float,
+    client: web.StreamResponse | None = None,
+    keep: bool = False,
+    guard: StreamGuard | None = None,
+    end_response: bool = True,
+    max_event_bytes: int = MAX_EVENT_BYTES,
+    keep_limit: int = 1 << 62,
+    prefix: bytes = b"",
+) -> StreamResult:
+    """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
+
+    `first_byte_deadline` is a loop time by which the first event must arrive.
+    Pass `client` to continue an answer already under way (a rescue).
+
+    When the answer fails after the client has seen bytes, nothing terminal
+    is written here: the result says what happened (`outcome`, `code`,
+    `error_event`) and the caller either rescues the stream or ends it with
+    `end_with_error`. With `keep`, the forwarded regions are kept, so the
+    partial answer can be recovered without decoding every chunk on the way.
+    With `end_response`, a complete answer also ends the HTTP response (one
+    send); without it the caller still has work before the client may see
+    the end (a session save: the next turn must find this one).
+    At most `keep_limit` bytes are kept (then `kept_overflow`, nothing kept);
+    an event over `max_event_bytes` ends the stream (`event_too_large`).
+    `prefix`: bytes of the stream the caller already read (to learn its format).
+    """
+    if client is None:
+        client = web.StreamResponse(status=200, headers=headers)
+    pump = _Pump(request, upstream, client, heartbeat_s, idle_s)
+    loop = pump.loop
+    framer = SSEFramer(max_event_bytes)
+    runs = ChunkRuns()
+    result = StreamResult("truncated", 200, client=client)
+    if keep:
+        result.regions = []
+    kept = result.regions
+    kept_bytes = 0
+    content = upstream.content
+    try:
+        # ---- until the first event: failures can still be HTTP errors.
+        region = b""
+        try:
+            if prefix:
+                region = framer.feed(prefix)
+            async with asyncio.timeout_at(first_byte_deadline):
+                while not region:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    region = framer.feed(chunk)
+        except TimeoutError:
+            result.outcome = "first_byte_timeout"
+            result.detail = "no answer from the backend before the first-byte deadline"
+            return await _fail(pump, result, 504, "upstream_timeout")
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            # Nothing reached the client yet: an HTTP error the caller may retry.
+            result.outcome = "upstream_disconnect"
+            result.detail = f"backend connection lost before the answer ({type(exc).__name__})"
+            return await _fail(pump, result, 502, "upstream_disconnect")
+        except EventTooLarge as exc:
+            result.outcome = "event_too_large"
+            result.detail = f"backend stream: {exc}"
+            return await _fail(pump, result, 502, "upstream_event_too_large")
+        if not region:
+            region = framer.flush()
+            if not region:
+                result.outcome = "truncated"
+                result.detail = "backend closed the stream before sending anything"
+                return await _fail(pump, result, 502, "upstream_truncated")
+        result.first_event_at = loop.time()
+        if region.startswith(b"data:"):
+            first = region[5 : region.find(b"\n")].strip()
+            if is_error_event(first):
+                await pump.settle_heartbeat()
+                if not client.prepared:
+                    pump.stop()
+                    status, body = error_status(first)
+                    result.outcome = "upstream_error"
+                    result.status = status
+                    result.detail = "backend sent an error before the answer"
+                    result.error_event = region[: region.find(b"\n\n") + 2]
+                    result.response = _json_response(status, body, headers)
+                    return result
+
+        # ---- the answer: forward every complete event as soon as it is here.
+        await pump.settle_heartbeat()
+        if not client.prepared:
+            await client.prepare(request)
+        result.headers_sent_at = loop.time()
+        pump.start_idle_watch()
+        write = client.write
+        saw_finish = False
+        final = False
+        while True:
+            run = runs.cut(region) if not final else None
+            if guard is not None:
+                verdict = guard.feed_final(region) if final else guard.feed(region, run)
+                if verdict is not region:
+                    if isinstance(verdict, Trip):
+                        # Nothing of the offending event reaches the client.
+                        if verdict.prefix:
+                            await write(verdict.prefix)
+                            if kept is not None:
+                                kept.append(verdict.prefix)
+                        result.outcome = "guard_trip"
+                        result.trip = verdict
+                        result.code = "invalid_output"
+                        result.detail = verdict.message
+                        result.error_event = json_event(
+                            error_payload(verdict.message, "server_error", "invalid_output")
+                        )
+                        return result
+                    region = verdict  # malformed events dropped
+                    run = None
+            # Byte searches, not JSON: a region holds whole events with LF
+            # line ends, and these markers can only match at a line start. A
+            # run of plain text chunks holds none of them: only the events
+            # around it are searched.
+            events, err_at, finished, done_at = markers(region, run)
+            result.events += events
+            if err_at >= 0:
+                # Forward what came before the error; the caller decides how
+                # the answer ends (rescue, or this error and [DONE]).
+                end = region.find(b"\n\n", err_at) + 2
+                result.error_event = region[err_at:end]
+                result.outcome = "upstream_error"
+                result.detail = "backend reported an error mid-answer"
+                result.code = "upstream_error"
+                if err_at:
+                    await write(region[:err_at])
+                    if kept is not None:
+                        kept.append(region[:err_at])
+                return result
+            if finished:
+                saw_finish = True
+            if done_at >= 0:
+                end = region.find(b"\n\n", done_at) + 2
+                if end < len(region):
+                    region = region[:end]
+                if end_response:
+                    # The last chunk and the chunked-encoding terminator in one send.
+                    await client.write_eof(region)
+                else:
+                    await write(region)
+                if kept is not None:
+                    kept.append(region)
+                result.outcome = "complete"
+                return result
+            if region:  # the guard may have dropped every event of it
+                await write(region)
+                if kept is not None:
+                    kept.append(region)
+                    kept_bytes += len(region)
+                    if kept_bytes > keep_limit:
+                        kept.clear()
+                        kept = result.regions = None
+                        result.kept_overflow = True
+            region = b""
+            while not region:
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                    if pump.timed_out:
+                        result.outcome = "idle_timeout"
+                        result.detail = f"backend silent for {idle_s:g}s mid-answer"
+                        result.code = "upstream_timeout"
+                    else:
+                        result.outcome = "upstream_disconnect"
+                        result.detail = f"backend connection lost mid-answer ({type(exc).__name__})"
+                        result.code = "upstream_disconnect"
+                    return result
+                if not chunk:
+                    region = framer.flush()
+                    if region:
+                        final = True
+                        break  # a final event without its blank line
+                    if saw_finish:
+                        # The answer finished; only the terminator was missing.
+                        await write(DONE_EVENT)
+                        result.outcome = "complete"
+                    else:
+                        result.outcome = "truncated"
+                        result.detail = "backend closed the stream before the answer finished"
+                        result.code = "upstream_truncated"
+                    return result
+                pump.last_activity = loop.time()
+                try:
+                    region = framer.feed(chunk)
+                except EventTooLarge as exc:
+                    result.outcome = "event_too_large"
+                    result.detail = f"backend stream: {exc}"
+                    result.code = "upstream_event_too_large"
+                    return result
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        result.outcome = "client_disconnect"
+        return result
+    finally:
+        pump.stop()
+
+
+async def end_with_error(result: StreamResult) -> None:
+    """End a started stream that failed: the upstream's own error event when it
+    sent one, else ours; then [DONE]. Never a silent truncation."""
+    client = result.client
+    if client is None:
+        return
+    with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+        if result.error_event:
+            await client.write(result.error_event + DONE_EVENT)
+        else:
+            await client.write(error_events(result.detail, "server_error", result.code))
+
+
+async def _fail(pump: _Pump, result: StreamResult, status: int, code: str) -> StreamResult:
+    """A stream that produced no answer: an HTTP error if the client has not
+    seen a status line yet (heartbeats may have gone out), in-band otherwise."""
+    await pump.settle_heartbeat()
+    pump.stop()
+    result.code = code
+    if pump.client.prepared:
+        result.headers_sent_at = pump.loop.time()
+        return result
+    result.status = status
+    body = error_body(result.detail, "server_error", code)
+    result.response = _json_response(status, body, pump.client.headers)
+    return result
+
+
+def _json_response(status: int, body: bytes, headers: Mapping[str, str]) -> web.Response:
+    h = {k: v for k, v in headers.items() if k.lower() not in STREAM_ONLY}
+    h["Content-Type"] = "application/json"
+    return web.Response(status=status, body=body, headers=h)

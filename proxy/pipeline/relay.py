@@ -1,0 +1,181 @@
+"""The relay step: a backend's response → the client, as an `AttemptResult`.
+
+Non-streaming answers are read whole (within `idle_s`), checked by the guard
+and passed on; streams go through the pump (`proxy.pipeline.pump`) with the
+guard on every region. Nothing here touches a breaker or a metric: what
+happened travels back in the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from proxy.backends.upstream import Upstream
+from proxy.errors import JSON_CT, error_body
+from proxy.openai.errors import upstream_error_body
+from proxy.openai.partial import answer_from_body, streamed_answer
+from proxy.pipeline.call import failed
+from proxy.pipeline.pump import StreamResult, relay_stream
+from proxy.pipeline.record import AttemptResult, RequestRecord
+
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Headers of a pass-through answer that describe its body (hop-by-hop and
+# framing headers are aiohttp's business).
+PASSTHROUGH_HEADERS = ("Content-Type", "Content-Encoding", "Retry-After")
+
+
+def _fault(status: int) -> str:
+    return "" if status == 429 else f"http_{status}"  # 429 is load, not a broken backend
+
+
+async def relay_body(
+    rec: RequestRecord, up: Upstream, resp: aiohttp.ClientResponse
+) -> AttemptResult:
+    t_upstream = rec.loop.time()
+    try:
+        async with asyncio.timeout(up.policy.timeouts.idle_s):
+            body = await resp.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        name = type(exc).__name__
+        return failed(
+            up, 502, f"backend answer could not be read: {name}", "upstream_error", "body", name
+        )
+    status = resp.status
+    if status in RETRYABLE_STATUS:
+        return AttemptResult(
+            "failed",
+            up.name,
+            status,
+            "error",
+            fault=_fault(status),
+            body=upstream_error_body(status, body),
+        )
+    headers = rec.headers(up.name)
+    guard = rec.rt.guard
+    if status == 200 and guard is not None:
+        trip = guard.check_body(body)
+        if trip is not None:
+            out = web.Response(
+                status=502,
+                body=error_body(trip.message, "server_error", "invalid_output"),
+                headers={**headers, "Content-Type": JSON_CT},
+            )
+            return AttemptResult(
+                "ended",
+                up.name,
+                502,
+                "guard_trip",
+                detail=trip.rule,
+                response=out,
+                fault="invalid_output",
+                trip=trip,
+            )
+    ctype = resp.headers.get("Content-Type", JSON_CT)
+    if status >= 400:
+        body = upstream_error_body(status, body)
+        ctype = JSON_CT
+    headers["Content-Type"] = ctype
+    answer = None
+    if status == 200 and rec.session is not None and rec.chat:
+        answer = answer_from_body(body)
+    now = rec.loop.time()
+    return AttemptResult(
+        "answered",
+        up.name,
+        status,
+        "complete",
+        response=web.Response(status=status, body=body, headers=headers),
+        healthy=True,  # a 4xx is the request's fault, not the backend's
+        overhead=rec.overhead_pre + (now - t_upstream),
+        answer=answer,
+    )
+
+
+async def relay_events(
+    rec: RequestRecord,
+    up: Upstream,
+    resp: aiohttp.ClientResponse,
+    deadline: float,
+    t_call: float,
+    *,
+    keep: bool,
+    prefix: bytes = b"",
+) -> AttemptResult:
+    rt = rec.rt
+    pol = rt.policy.server
+    headers = rec.headers(up.name)
+    headers["Content-Type"] = resp.headers.get("Content-Type", "text/event-stream")
+    headers.update(SSE_HEADERS)
+    client = rec.client = web.StreamResponse(status=200, headers=headers)
+    sg = rt.guard.stream() if rt.guard is not None else None
+    if sg is not None:
+        rec.guards.append((up.name, sg))
+    result = await relay_stream(
+        rec.request,
+        resp,
+        headers,
+        heartbeat_s=pol.heartbeat_s,
+        first_byte_deadline=deadline,
+        idle_s=up.policy.timeouts.idle_s,
+        client=client,
+        keep=keep,
+        guard=sg,
+        end_response=rec.session is None,
+        max_event_bytes=pol.max_event_bytes,
+        keep_limit=pol.max_kept_bytes,
+        prefix=prefix,
+    )
+    return stream_attempt(rec, up, result, t_call)
+
+
+def stream_attempt(
+    rec: RequestRecord, up: Upstream, result: StreamResult, t_call: float
+) -> AttemptResult:
+    """What a relayed stream's outcome means for the request and the backend."""
+    overhead = None
+    if result.first_event_at is not None and result.headers_sent_at is not None:
+        overhead = rec.overhead_pre + max(0.0, result.headers_sent_at - result.first_event_at)
+    outcome = result.outcome
+    base = AttemptResult(
+        "ended",
+        up.name,
+        200,
+        outcome,
+        detail=result.detail,
+        response=result.client,
+        delivered=result.started,
+        events=result.events,
+        overhead=overhead,
+        client_ttft=(
+            result.headers_sent_at - rec.t0 if result.headers_sent_at is not None else None
+        ),
+    )
+    if not result.started:
+        response = result.response
+        assert response is not None
+        if result.status in RETRYABLE_STATUS:
+            body = response.body if isinstance(response.body, bytes) else b""
+            return base._replace(
+                kind="failed",
+                status=result.status,
+                response=None,
+                fault=_fault(result.status) and outcome,
+                body=body,
+            )
+        # The backend's own 4xx error event, before any answer: passed on as is.
+        return base._replace(kind="answered", status=result.status, response=response, healthy=True)
+    if outcome == "complete":
+        answer = None
+        if rec.session is not None and rec.chat:
+            answer = streamed_answer(result.regions, "chat")
+        ttft = (result.first_event_at or t_call) - t_call
+        return base._replace(kind="answered", healthy=True, ttft=ttft, answer=answer)
+    if outcome == "client_disconnect":
+        return base._replace(kind="client_gone")
+    if outcome == "guard_trip":
+        return base._replace(fault="invalid_output", trip=result.trip, stream=result)
+    return base._replace(fault=outcome, stream=result)

@@ -1,0 +1,180 @@
+"""The rescue step: a stream that died mid-answer continues on the fallback,
+or ends with its error event and [DONE] — never a silent truncation.
+
+The partial answer (choice 0, extracted once from the kept regions) becomes
+the continuation request (`proxy.openai.partial`). Not rescued: guard trips
+(the output was the problem), `n > 1` (one continuation cannot carry several
+choices), pass-through paths, answers longer than `server.max_kept_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import aiohttp
+import structlog
+
+from proxy.backends.upstream import Upstream
+from proxy.control.breaker import Permit
+from proxy.errors import RequestRejected
+from proxy.openai.partial import (
+    choices_requested,
+    continuation_body,
+    partial_text,
+    streamed_answer,
+)
+from proxy.pipeline.adapt import adapted
+from proxy.pipeline.call import call, close
+from proxy.pipeline.inbox import Inbox
+from proxy.pipeline.pump import StreamResult, end_with_error, relay_stream
+from proxy.pipeline.record import AttemptResult, RequestRecord
+from proxy.pipeline.relay import stream_attempt
+
+log = structlog.get_logger("brownout.request")
+
+
+def can_rescue(rec: RequestRecord, up: Upstream) -> bool:
+    """Whether a failure of `up` mid-answer could be rescued (decided before
+    the stream starts: the relay keeps the forwarded regions only then)."""
+    fb = rec.rt.upstreams.get("fallback")
+    return (
+        rec.rt.policy.ladder.failover.rescue_streams
+        and rec.endpoint in ("chat", "completions")
+        and fb is not None
+        and fb is not up
+        and fb.supports_continuation
+        and choices_requested(rec.body) == 1
+    )
+
+
+async def rescue_or_end(
+    rec: RequestRecord, up: Upstream, result: AttemptResult, inbox: Inbox
+) -> AttemptResult:
+    """`result` is a stream that ended mid-answer (kind "ended", already
+    reported for `up`): the request's final result after a rescue or the end."""
+    sr = result.stream
+    assert sr is not None
+    fb = rec.rt.upstreams.get("fallback")
+    if result.trip is None and fb is not None and sr.regions is not None and can_rescue(rec, up):
+        permit = fb.breaker.allow()
+        if permit is None:
+            inbox.rescue("fallback_unavailable")
+        else:
+            try:
+                rescued = await _rescue_on(rec, fb, permit, up, result, sr, inbox)
+            finally:
+                inbox.settle(fb, permit)
+            if rescued is not None:
+                return rescued
+    await end_with_error(sr)
+    return result
+
+
+async def _rescue_on(
+    rec: RequestRecord,
+    fb: Upstream,
+    permit: Permit,
+    up: Upstream,
+    result: AttemptResult,
+    sr: StreamResult,
+    inbox: Inbox,
+) -> AttemptResult | None:
+    """None: the fallback could not take over (the caller ends the stream)."""
+    client = sr.client
+    assert client is not None
+    kind = "chat" if rec.chat else "completions"
+    partial, produced = partial_text(sr.regions or [], kind)
+    log.warning(
+        "stream_rescue",
+        request_id=rec.rid,
+        from_backend=up.name,
+        to_backend=fb.name,
+        reason=sr.outcome,
+        partial_chars=len(partial),
+    )
+    t_call = rec.loop.time()
+    deadline = t_call + fb.policy.timeouts.first_byte_s
+    url = fb.chat_url if rec.chat else fb.completions_url
+    try:
+        # An SSE comment: invisible to OpenAI clients, visible on the wire.
+        note = f": brownout-rescue from={up.name} to={fb.name} reason={sr.outcome}\n\n"
+        await client.write(note.encode())
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        return result._replace(kind="client_gone", outcome="client_disconnect", stream=None)
+    try:
+        fitted = await adapted(rec, fb, inbox, deadline)
+    except (TimeoutError, RequestRejected) as exc:
+        log.warning("stream_rescue_impossible", request_id=rec.rid, reason=str(exc))
+        inbox.rescue("failed")
+        return None
+    body = continuation_body(fitted, partial, produced, kind)
+    resp = await call(rec, fb, url, json.dumps(body).encode(), deadline)
+    if isinstance(resp, AttemptResult):
+        inbox.failure(fb, permit, "rescue", resp.detail or resp.fault)
+        inbox.rescue("failed")
+        return None
+    try:
+        if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith(
+            "text/event-stream"
+        ):
+            with contextlib.suppress(aiohttp.ClientError):
+                await resp.read()
+            if resp.status >= 500:
+                inbox.failure(fb, permit, f"http_{resp.status}")
+            inbox.rescue("failed")
+            return None
+        rt = rec.rt
+        pol = rt.policy.server
+        # The same guard as the answer it continues: a token split at the seam is seen.
+        sg = rec.guards[-1][1] if rec.guards else None
+        more = await relay_stream(
+            rec.request,
+            resp,
+            {},
+            heartbeat_s=pol.heartbeat_s,
+            first_byte_deadline=deadline,
+            idle_s=fb.policy.timeouts.idle_s,
+            client=client,
+            keep=True,
+            guard=sg,
+            end_response=rec.session is None,
+            max_event_bytes=pol.max_event_bytes,
+            keep_limit=pol.max_kept_bytes,
+        )
+    finally:
+        close(resp)
+    sr.events += more.events
+    if sr.regions is not None and more.regions:
+        sr.regions.extend(more.regions)
+    elif more.regions is None:
+        sr.regions = None
+    fb_result = stream_attempt(rec, fb, more, t_call)
+    inbox.attempt(fb, fb_result._replace(stream=None), permit)
+    events = sr.events
+    if more.outcome == "complete":
+        inbox.rescue("rescued")
+        rec.rescued = True
+        answer = None
+        if rec.session is not None and rec.chat and sr.regions is not None:
+            answer = streamed_answer(sr.regions, "chat")
+        return result._replace(
+            kind="answered",
+            outcome="complete",
+            detail=f"rescued on {fb.name} after {sr.detail or up.name + ' failed'}",
+            events=events,
+            answer=answer,
+            stream=None,
+        )
+    if more.outcome == "client_disconnect":
+        return result._replace(
+            kind="client_gone", outcome="client_disconnect", events=events, stream=None
+        )
+    inbox.rescue("failed")
+    await end_with_error(more)
+    return result._replace(
+        outcome=more.outcome,
+        detail=f"rescue on {fb.name} failed: {more.detail}",
+        events=events,
+        stream=None,
+    )

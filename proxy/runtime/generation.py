@@ -1,0 +1,391 @@
+"""What a running proxy holds: policy, upstreams, ladder, metrics.
+
+One `Runtime` per app, stored under an `AppKey`; handlers read it, nothing
+lives at module level. Outcomes of requests come back here (`report_*`) and
+feed the breakers and the ladder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from prometheus_client import Counter
+
+from proxy.backends.upstream import Upstream
+from proxy.control.admission import Admission
+from proxy.control.breaker import STATE_VALUES, Permit
+from proxy.control.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
+from proxy.control.maintenance import Maintenance
+from proxy.control.pressure import PressureMonitor, next_limit
+from proxy.control.shared import SharedState
+from proxy.guard.core import Guard
+from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
+from proxy.runtime.supervise import Supervisor
+from proxy.sessions.conversation import TurnIds
+from proxy.sessions.saves import PendingSaves
+from proxy.sessions.store import MemorySessionStore, SessionStore
+from proxy.sessions.trim import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
+from proxy.telemetry.metrics import BackendMetrics, Metrics
+
+log = structlog.get_logger("brownout.ladder")
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+@dataclass
+class Runtime:
+    policy: Policy
+    metrics: Metrics
+    clock: Callable[[], float] = time.monotonic
+    upstreams: dict[str, Upstream] = field(default_factory=dict)
+    backend_metrics: dict[str, BackendMetrics] = field(default_factory=dict)
+    inflight: int = 0
+    started_at: float = field(default_factory=time.time)
+    _request_counters: dict[tuple[str, str, int], Counter] = field(default_factory=dict)
+    # The app's background work (shared by generations); a private one if None.
+    supervisor: Supervisor | None = None
+
+    def __post_init__(self) -> None:
+        pol = self.policy
+        self.ladder = Ladder(pol.ladder.recovery, self.clock, self._on_transition)
+        self.maintenance = Maintenance(pol.faq, pol.ladder.maintenance)
+        throttle = pol.ladder.throttle
+        self.pressure = PressureMonitor(throttle, self.clock)
+        self.admission = Admission(throttle, self.clock, self._on_queue_wait)
+        self.key_grants = parse_key_priorities(throttle.key_priorities)
+        self.default_grant = Grant(throttle.default_priority, throttle.default_priority)
+        m = self.metrics
+        self.tasks: Supervisor = self.supervisor or Supervisor(m.loop_errors)
+        self._wall_offset = time.time() - self.clock()
+        self._evaluate_soon: asyncio.Handle | None = None
+        # Sessions and token counters: set up in the app's cleanup context.
+        self.store: SessionStore = MemorySessionStore(
+            max_sessions=pol.sessions.max_sessions,
+            ttl_s=pol.sessions.ttl_s,
+            max_turns=pol.sessions.max_turns,
+        )
+        self.counters: dict[str, TokenCounter] = {}
+        self.turn_ids = TurnIds()
+        self.pending_saves = PendingSaves(
+            pol.sessions.pending_saves,
+            on_saved=lambda: m.session_ops.labels("save", "late").inc(),
+            on_dropped=m.session_turns_dropped.inc,
+            on_rejected=lambda: m.session_ops.labels("save", "rejected").inc(),
+        )
+        self._estimate = EstimateTokenCounter()
+        self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None
+        self.shared: SharedState | None = None
+        self._applying_remote = False
+
+    def bind_gauges(self) -> None:
+        """Point the app's gauges at this generation: called when it goes
+        live, never for one that is still being built (a failed reload
+        must not leave them reading what it threw away)."""
+        m, pol = self.metrics, self.policy
+        m.admission_limit.set_function(lambda: self.admission.limit)
+        m.admission_inflight.set_function(lambda: self.admission.inflight)
+        m.queue_depth.set_function(lambda: self.admission.queued)
+        m.pressure.set_function(lambda: 1 if self.pressure.active else 0)
+        m.upstream_waiting.set_function(lambda: self.pressure.engine.waiting)
+        m.upstream_running.set_function(lambda: self.pressure.engine.running)
+        m.upstream_kv_cache.set_function(lambda: self.pressure.engine.kv_cache)
+        m.session_saves_waiting.set_function(lambda: len(self.pending_saves))
+        m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
+        m.shared_up.set_function(
+            lambda: 1 if self.shared is not None and self.shared.healthy else 0
+        )
+        m.shared_configured.set_function(lambda: 1 if pol.ladder.shared.redis else 0)
+        for up in self.upstreams.values():
+            m.breaker_state.labels(up.name).set_function(_breaker_gauge(up))
+
+    def adopt(self, prev: Runtime) -> None:
+        """Carry what the previous generation learnt across a policy reload."""
+        new, old = self.ladder, prev.ladder
+        new.tier, new.forced, new.entered_at = old.tier, old.forced, old.entered_at
+        new.healthy_streak, new.last_detail, new.history = (
+            old.healthy_streak,
+            old.last_detail,
+            old.history,
+        )
+        if old.ramp is not None and old.ramp.step < len(new.policy.ramp):
+            new.ramp = old.ramp
+        throttle = self.policy.ladder.throttle
+        self.admission = prev.admission
+        self.admission.policy = throttle
+        if prev.policy.ladder.throttle.max_inflight != throttle.max_inflight:
+            self.admission.set_limit(throttle.max_inflight)
+        self.pressure = prev.pressure
+        self.pressure.set_policy(throttle)
+        # One queue per process: turns that wait out an outage are written by
+        # whichever generation is current when the store answers again.
+        self.pending_saves = prev.pending_saves
+        self.pending_saves.limit = self.policy.sessions.pending_saves
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str = "spawn") -> None:
+        """Fire-and-forget work (shared-state writes) that must not delay a
+        request; referenced until done, its failure logged and counted."""
+        self.tasks.spawn(name, coro)
+
+    def force_tier(self, tier: Tier | None) -> None:
+        self.ladder.force(tier)
+        if tier is None:
+            self.evaluate()
+        if self.shared is not None and not self._applying_remote:
+            self.spawn(self.shared.publish_forced(tier), "shared_publish")
+
+    async def sync_shared(self) -> None:
+        """Apply what other replicas decided (breakers opened, a forced tier)."""
+        shared = self.shared
+        if shared is None:
+            return
+        opened, forced, ok = await shared.read(list(self.upstreams))
+        self._applying_remote = True
+        try:
+            for name, info in opened.items():
+                up = self.upstreams.get(name)
+                if up is not None and up.breaker.state == "closed":
+                    up.breaker.force_open(
+                        f"opened by replica {info.get('by')}: {info.get('reason', '')}"
+                    )
+            if ok and shared.forced_changed(forced):
+                self.force_tier(forced if forced in TIERS else None)
+        finally:
+            self._applying_remote = False
+
+    def counter_for(self, up: Upstream) -> TokenCounter:
+        """The backend's own tokenizer when the policy names one, else its
+        /tokenize endpoint (once its served model is known), else an estimate."""
+        c = self.counters.get(up.name)
+        if c is not None:
+            return c
+        model = up.policy.model or up.served_model
+        if up.policy.kind in ("vllm", "transformers") and model:
+            c = RemoteTokenCounter(up.session, str(up.base), model)
+            self.counters[up.name] = c
+            return c
+        return self._estimate
+
+    def _on_queue_wait(self, seconds: float) -> None:
+        self.metrics.queue_wait.observe(seconds)
+        self.pressure.record_queue_wait(seconds, self.admission.limit)
+
+    def priority_for(self, header: str | None, api_key: str | None) -> Priority:
+        """`X-Priority` may lower the client's priority (its key's entry, else
+        `default_priority`), and raise it only up to the ceiling its entry names."""
+        return self.key_grants.get(api_key or "", self.default_grant).for_header(header)
+
+    @property
+    def tier(self) -> str:
+        return self.ladder.tier
+
+    def add_upstream(self, upstream: Upstream) -> None:
+        self.upstreams[upstream.name] = upstream
+        self.backend_metrics[upstream.name] = self.metrics.for_backend(upstream.name)
+
+    # -- routing -----------------------------------------------------------------
+
+    def route(self) -> tuple[Destination, list[Upstream]]:
+        """Where a request goes: the ladder's destination and, for a backend,
+        the candidates to try in order before the first byte."""
+        dest = self.ladder.route()
+        if dest == "maintenance":
+            return dest, []
+        primary = self.upstreams["primary"]
+        fallback = self.upstreams.get("fallback")
+        if dest == "primary" or fallback is None:
+            order = [primary] if fallback is None else [primary, fallback]
+        elif (
+            not self.policy.ladder.failover.recovery_probe
+            and primary.breaker.state == "open"
+            and self.clock() >= primary.breaker.retry_at()
+        ):
+            # No recovery prober: a real request is the primary's half-open trial.
+            order = [primary, fallback]
+        else:
+            order = [fallback, primary]
+        if not self.policy.ladder.failover.on_connect_error:
+            order = order[:1]
+        return dest, order[: self.policy.ladder.failover.max_attempts]
+
+    # -- signals -----------------------------------------------------------------
+
+    def signals(self, pressure: bool = False) -> Signals:
+        p = self.upstreams["primary"]
+        f = self.upstreams.get("fallback")
+        failover_on = self.policy.ladder.failover.enabled
+        primary_ok = p.available or not failover_on
+        fallback_ok = f is not None and f.available
+        reasons = [_why(u) for u in (p, f) if u is not None and not u.available]
+        detail = "; ".join(reasons)
+        if pressure and not detail:
+            detail = self.pressure.reason
+        return Signals(
+            primary_ok=primary_ok, fallback_ok=fallback_ok, pressure=pressure, detail=detail
+        )
+
+    def evaluate(self, window: bool = False) -> Transition | None:
+        """Feed the ladder. On window ticks also advance the pressure
+        hysteresis and the throttle controller (once per window, by design)."""
+        throttle = self.policy.ladder.throttle
+        if window and throttle.enabled:
+            self.pressure.evaluate()
+        t = self.ladder.evaluate(self.signals(throttle.enabled and self.pressure.active))
+        throttled = self.ladder.tier == "throttle"
+        self.admission.shed_sheddable = throttled
+        if window:
+            self.admission.set_limit(
+                next_limit(
+                    throttle,
+                    self.admission.limit,
+                    throttled=throttled,
+                    pressure=self.pressure.active,
+                )
+            )
+        return t
+
+    def evaluate_soon(self) -> None:
+        """Re-evaluate right after the current callback (a breaker just moved):
+        detection should not wait for the next window."""
+        if self._evaluate_soon is None:
+            loop = asyncio.get_running_loop()
+            self._evaluate_soon = loop.call_soon(self._evaluate_now)
+
+    def _evaluate_now(self) -> None:
+        self._evaluate_soon = None
+        try:
+            self.evaluate()
+        except Exception as exc:  # a loop callback: asyncio would only print it
+            self.tasks.failed("evaluate_soon", exc)
+
+    def report_success(self, up: Upstream, *, permit: Permit) -> None:
+        up.breaker.record_success(permit)
+
+    def report_failure(self, up: Upstream, kind: str, detail: str = "", *, permit: Permit) -> None:
+        """`permit` is what `up.breaker.allow()` gave this call: the outcome
+        counts only in the breaker epoch that admitted it."""
+        self.metrics.upstream_errors.labels(up.name, kind).inc()
+        up.breaker.record_failure(permit, f"{kind}: {detail}" if detail else kind)
+        self.ladder.report_failure(up.name)
+
+    def on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:
+        self.metrics.breaker_transitions.labels(name, old, new).inc()
+        log.warning("breaker_changed", backend=name, old=old, new=new, reason=reason)
+        if new == "open" and self.shared is not None and not self._applying_remote:
+            ttl = self.policy.ladder.breaker.reset_timeout_s
+            with contextlib.suppress(RuntimeError):
+                self.spawn(self.shared.publish_breaker_open(name, reason, ttl), "shared_publish")
+        # No running loop only in unit tests of the breaker alone.
+        with contextlib.suppress(RuntimeError):
+            self.evaluate_soon()
+
+    def _on_transition(self, t: Transition) -> None:
+        self.metrics.transitions.labels(t.from_tier, t.to_tier, t.reason).inc()
+        log.warning(
+            "tier_changed",
+            from_tier=t.from_tier,
+            to_tier=t.to_tier,
+            reason=t.reason,
+            detail=t.detail,
+        )
+
+    def wall(self, clock_time: float) -> float:
+        return round(clock_time + self._wall_offset, 3)
+
+    def count_request(self, backend: str, endpoint: str, status: int) -> None:
+        key = (backend, endpoint, status)
+        child = self._request_counters.get(key)
+        if child is None:
+            child = self.metrics.requests.labels(backend, endpoint, str(status))
+            self._request_counters[key] = child
+        child.inc()
+
+    # -- status ------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        backends = {}
+        for name, up in self.upstreams.items():
+            h = up.health
+            backends[name] = {
+                "url": redact_url(up.policy.url),
+                "kind": up.policy.kind,
+                "healthy": h.healthy,
+                "down": up.down,
+                "last_error": h.last_error,
+                "last_probe_at": h.last_probe_at,
+                "consecutive_probe_failures": h.consecutive_failures,
+                "breaker": up.breaker.state,
+                "breaker_detail": up.breaker.snapshot(),
+                "model": up.policy.model or up.served_model,
+                "max_model_len": up.max_model_len,
+            }
+        lad = self.ladder.snapshot()
+        lad["since"] = self.wall(float(lad["since"]))  # type: ignore[arg-type]
+        return {
+            "tier": self.ladder.tier,
+            "ladder": lad,
+            "history": [
+                {
+                    "at": self.wall(t.at),
+                    "from": t.from_tier,
+                    "to": t.to_tier,
+                    "reason": t.reason,
+                    "detail": t.detail,
+                }
+                for t in self.ladder.history
+            ],
+            "backends": backends,
+            "concurrency": {
+                "limit": self.admission.limit,
+                "max": self.policy.ladder.throttle.max_inflight,
+                "inflight": self.inflight,
+                "admission": self.admission.snapshot(),
+            },
+            "pressure": {
+                "active": self.pressure.active,
+                "reason": self.pressure.reason,
+                "signals": {k: round(v, 3) for k, v in self.pressure.ratios().items()},
+                "engine": {
+                    "num_requests_waiting": self.pressure.engine.waiting,
+                    "num_requests_running": self.pressure.engine.running,
+                    "kv_cache_usage_perc": self.pressure.engine.kv_cache,
+                    "scraped_at": self.wall(self.pressure.engine.scraped_at)
+                    if self.pressure.engine.scraped_at is not None
+                    else None,
+                    "error": self.pressure.engine.error,
+                },
+            },
+            "sessions": {
+                "store": redact_url(self.policy.sessions.store),
+                "healthy": self.store.healthy,
+                "last_error": self.store.last_error,
+                "saves_waiting": len(self.pending_saves),
+            },
+            "shared": self.shared.snapshot() if self.shared is not None else {"enabled": False},
+            "policy": {"source": self.policy.source},
+            "uptime_s": round(time.time() - self.started_at, 1),
+        }
+
+
+def _breaker_gauge(up: Upstream) -> Callable[[], float]:
+    return lambda: STATE_VALUES[up.breaker.state]
+
+
+def _why(up: Upstream) -> str:
+    if up.breaker.state != "closed":
+        return f"{up.name} breaker {up.breaker.state}: {up.breaker.last_reason}"
+    return f"{up.name} health: {up.health.last_error}"
+
+
+def request_id(incoming: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token, a fresh one otherwise."""
+    if incoming and _REQUEST_ID_RE.match(incoming):
+        return incoming
+    return uuid.uuid4().hex

@@ -1,0 +1,151 @@
+"""The background loops, and which of them the running policy wants.
+
+`wanted_loops(state)` names them for `ProxyState.run_loops`, which hands them
+to the app's `Supervisor` at start and after every reload (a loop that
+raises is logged, counted and run again; see `proxy.runtime.supervise`). Each loop
+reads `state.current` at every turn, so a reload takes effect at its next one.
+
+The ladder's window never awaits network I/O: a recovery probe of an open
+breaker runs as its own supervised task, and its result reaches the ladder
+as a breaker transition (which re-evaluates at once). A hung primary delays
+its own probe, never dwell, ramps or the throttle's AIMD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from proxy.backends.upstream import Upstream
+from proxy.control.breaker import Permit
+from proxy.control.pressure import parse_vllm_metrics
+from proxy.runtime.supervise import Body, Sleep
+
+if TYPE_CHECKING:
+    from proxy.runtime.state import ProxyState
+
+
+def wanted_loops(state: ProxyState) -> Mapping[str, Body]:
+    pol = state.current.policy
+    evaluator = Evaluator(state)
+    loops: dict[str, Body] = {
+        "evaluate": evaluator.run,
+        "scrape": lambda: scrape_forever(state),
+        "flush_saves": lambda: flush_saves_forever(state),
+    }
+    if pol.ladder.shared.redis:
+        loops["shared_sync"] = lambda: sync_forever(state)
+    if pol.server.watch_policy:
+        loops["watch_policy"] = lambda: watch_policy(state)
+    return loops
+
+
+class Evaluator:
+    """Evaluate the ladder every window; test open breakers with recovery probes."""
+
+    def __init__(self, state: ProxyState, sleep: Sleep = asyncio.sleep) -> None:
+        self.state = state
+        self._sleep = sleep
+        self._probing: dict[int, asyncio.Task[None]] = {}  # by id(upstream)
+
+    async def run(self) -> None:
+        while True:
+            await self._sleep(self.state.current.policy.ladder.recovery.window_s)
+            self.tick()
+
+    def tick(self) -> None:
+        """One window: start the probes that are due, then evaluate. No await."""
+        rt = self.state.current
+        if rt.policy.ladder.failover.recovery_probe:
+            for up in rt.upstreams.values():
+                if id(up) in self._probing:
+                    continue
+                b = up.breaker
+                permit = b.allow() if b.state == "open" and rt.clock() >= b.retry_at() else None
+                if permit is not None:
+                    task = self.state.supervisor.spawn(
+                        f"recovery_probe_{up.name}", self._probe(up, permit)
+                    )
+                    self._probing[id(up)] = task
+        rt.evaluate(window=True)
+
+    def probing(self) -> list[str]:
+        return sorted(t.get_name() for t in self._probing.values())
+
+    async def _probe(self, up: Upstream, permit: Permit) -> None:
+        """The half-open trial `permit` admitted: its outcome closes or reopens."""
+        try:
+            try:
+                why = await up.recovery_probe()
+            except Exception as exc:
+                # The trial must end either way, or the breaker stays half-open.
+                up.breaker.record_failure(permit, f"recovery probe: {type(exc).__name__}")
+                raise  # logged and counted by the supervisor
+            # The breaker's transition re-evaluates the ladder (`evaluate_soon`).
+            if why is None:
+                self.state.current.report_success(up, permit=permit)
+            else:
+                up.breaker.record_failure(permit, f"recovery probe: {why}")
+        finally:
+            self._probing.pop(id(up), None)
+            up.breaker.release_trial(permit)  # cancelled: the slot goes back at once
+
+
+async def scrape_forever(state: ProxyState) -> None:
+    """Read vLLM's own load gauges from the primary's /metrics."""
+    while True:
+        rt = state.current
+        interval = rt.policy.ladder.throttle.scrape_interval_s
+        up = rt.upstreams.get("primary")
+        if up is None or up.policy.kind != "vllm" or interval <= 0:
+            await asyncio.sleep(1.0)
+            continue
+        timeout = aiohttp.ClientTimeout(total=max(0.5, interval))
+        try:
+            async with up.session.get(up.base.with_path("/metrics"), timeout=timeout) as resp:
+                text = await resp.text()
+            if resp.status == 200:
+                rt.pressure.update_engine(parse_vllm_metrics(text))
+            else:
+                rt.pressure.engine.error = f"/metrics returned HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, RuntimeError) as exc:
+            rt.pressure.engine.error = type(exc).__name__
+        await asyncio.sleep(interval)
+
+
+async def sync_forever(state: ProxyState) -> None:
+    """Follow the other replicas' breakers and forced tier through Redis."""
+    while True:
+        rt = state.current
+        await rt.sync_shared()
+        await asyncio.sleep(rt.policy.ladder.shared.interval_s)
+
+
+async def flush_saves_forever(state: ProxyState, sleep: Sleep = asyncio.sleep) -> None:
+    """Write turns that waited out a session-store outage, once it answers."""
+    while True:
+        await sleep(1.0)
+        rt = state.current
+        if len(rt.pending_saves):
+            await rt.pending_saves.flush(rt.store)
+
+
+async def watch_policy(state: ProxyState) -> None:
+    """Reload when the policy file changes (stat off the event loop)."""
+    last: tuple[float, int] | None = None
+    while True:
+        path = state.current.policy.source
+        try:
+            st = await asyncio.to_thread(os.stat, path)
+            sig = (st.st_mtime, st.st_size)
+        except OSError:
+            sig = None
+        if last is not None and sig is not None and sig != last:
+            await state.reload("file_changed")
+        if sig is not None:
+            last = sig
+        await asyncio.sleep(state.current.policy.server.watch_interval_s)

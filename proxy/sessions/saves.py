@@ -1,0 +1,141 @@
+"""Turns that could not be saved because the session store was down.
+
+A finished answer's turn is already promised to the client (the request said
+`X-Brownout-Session: used`), so a failed save is not dropped: it waits here,
+in order, and is written when the store answers again. Once anything waits,
+new saves queue behind it, so a session's turns keep their order. The queue
+is bounded (`sessions.pending_saves`); past it the oldest waiting turn is
+dropped and counted (`brownout_session_turns_dropped_total`).
+
+No single turn can stop the queue: a turn the store refuses (it answered,
+with an error about these contents) or that fails in an unexpected way is
+tried `attempts` times, then dropped, logged and counted
+(`brownout_session_ops_total{op="save",result="rejected"}`). An outage
+(`SessionStoreUnavailable`) costs a turn no attempt: it waits for the store.
+The queue outlives policy reloads (one per process); saving never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from proxy.sessions.store import SessionStore, SessionStoreUnavailable, SessionTurnRejected, Turn
+
+log = structlog.get_logger("brownout.sessions")
+
+ATTEMPTS = 3
+
+
+@dataclass(slots=True)
+class _Waiting:
+    key: str
+    turn: Turn
+    failures: int = 0
+
+
+class PendingSaves:
+    def __init__(
+        self,
+        limit: int,
+        on_saved: Callable[[], None] | None = None,
+        on_dropped: Callable[[], None] | None = None,
+        on_rejected: Callable[[], None] | None = None,
+        attempts: int = ATTEMPTS,
+    ) -> None:
+        self.limit = limit
+        self.attempts = attempts
+        self._q: collections.deque[_Waiting] = collections.deque()
+        self._on_saved = on_saved
+        self._on_dropped = on_dropped
+        self._on_rejected = on_rejected
+        self._lock = asyncio.Lock()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def add(self, key: str, turn: Turn) -> None:
+        while len(self._q) >= max(1, self.limit):
+            self._q.popleft()
+            if self._on_dropped is not None:
+                self._on_dropped()
+        self._q.append(_Waiting(key, turn))
+
+    async def save(self, store: SessionStore, key: str, turn: Turn) -> bool:
+        """Save now, or queue it. True when it is in the store already. Never raises."""
+        if self._q:
+            self.add(key, turn)
+            if self._lock.locked():
+                # A flush is running: it goes on until the queue is empty (this
+                # turn included) or the store fails. Wait for it rather than
+                # try the store again after it: N answers finishing while
+                # Redis hangs would otherwise wait N timeouts in a row.
+                async with self._lock:
+                    pass
+            else:
+                await self.flush(store)
+            return False
+        try:
+            await store.append(key, [turn])
+        except SessionStoreUnavailable as exc:
+            if isinstance(exc, SessionTurnRejected):
+                log.warning("session_save_refused", error=str(exc))
+            self.add(key, turn)
+            if isinstance(exc, SessionTurnRejected):
+                self._q[-1].failures = 1
+            return False
+        except Exception as exc:  # a defect: keep the turn, bounded like a refused one
+            log.exception("session_save_failed", error=f"{type(exc).__name__}: {exc}")
+            self.add(key, turn)
+            self._q[-1].failures = 1
+            return False
+        return True
+
+    async def flush(self, store: SessionStore) -> int:
+        """Write what waits, oldest first, until the store fails again. Never raises."""
+        written = 0
+        async with self._lock:
+            while self._q:
+                item = self._q[0]
+                try:
+                    await store.append(item.key, [item.turn])
+                except SessionTurnRejected as exc:
+                    if self._failed(item, str(exc)):
+                        continue
+                    break
+                except SessionStoreUnavailable:
+                    break
+                except Exception as exc:
+                    log.exception("session_save_failed", error=f"{type(exc).__name__}: {exc}")
+                    if self._failed(item, f"{type(exc).__name__}: {exc}"):
+                        continue
+                    break
+                self._q.popleft()
+                written += 1
+                if self._on_saved is not None:
+                    self._on_saved()
+        if written:
+            log.info("session_turns_saved_late", turns=written, waiting=len(self._q))
+        return written
+
+    def _failed(self, item: _Waiting, why: str) -> bool:
+        """One more failed attempt for the head item. It is retried at the
+        next flush (order is kept); after `attempts` it is dropped (True)."""
+        item.failures += 1
+        if item.failures < self.attempts:
+            return False
+        self._q.popleft()
+        log.error(
+            "session_turn_rejected",
+            key=item.key,
+            attempts=item.failures,
+            error=why,
+            waiting=len(self._q),
+        )
+        if self._on_rejected is not None:
+            self._on_rejected()
+        return True

@@ -1,0 +1,314 @@
+"""Every Prometheus metric of the proxy, in one place, on a per-app registry.
+
+Label children that are known at start-up (one per backend) are bound once,
+so the request path never pays for `.labels()` lookups it can avoid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from proxy.telemetry.logs import lines_dropped
+
+# TTFT and durations of LLM calls span milliseconds (a cached prefix) to
+# minutes (a long generation), so the buckets do too.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Time spent inside the proxy itself: sub-millisecond is the goal.
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+TIER_VALUES = {"normal": 0, "throttle": 1, "failover": 2, "maintenance": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendMetrics:
+    """Children bound to one backend label."""
+
+    ttft: Histogram
+    duration: Histogram
+    upstream_errors: Counter
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(
+        default_factory=lambda: CollectorRegistry(auto_describe=True)
+    )
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "brownout_requests",
+            "Proxied requests by backend, endpoint and HTTP status.",
+            ["backend", "endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "brownout_ttft_seconds",
+            "Time from request arrival to the first answer byte sent to the client.",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_ttft = Histogram(
+            "brownout_upstream_ttft_seconds",
+            "Time from the upstream call to its first event: what the engine itself took "
+            "(admission queue wait excluded).",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "brownout_request_duration_seconds",
+            "Whole request duration as the client saw it.",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "brownout_proxy_overhead_seconds",
+            "Time spent inside the proxy per request: before the upstream call plus "
+            "from the upstream's first byte to the client's first byte.",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "brownout_inflight_requests",
+            "Requests being served right now.",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "brownout_upstream_errors",
+            "Upstream failures by backend and kind.",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "brownout_stream_errors",
+            "Streams ended with an in-band error event after the 200 was sent.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "brownout_client_disconnects",
+            "Clients that went away before the answer ended.",
+            ["backend"],
+            registry=r,
+        )
+        self.bad_requests = Counter(
+            "brownout_bad_requests",
+            "Requests rejected by validation, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.header_timeouts = Counter(
+            "brownout_header_timeouts",
+            "Connections closed because a request's headers did not arrive within "
+            "server.header_timeout_s.",
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "brownout_backend_up",
+            "1 when the backend's health probe passes.",
+            ["backend"],
+            registry=r,
+        )
+        self.tier = Gauge(
+            "brownout_tier",
+            "Current degradation tier (0 normal, 1 throttle, 2 failover, 3 maintenance).",
+            registry=r,
+        )
+
+        self.transitions = Counter(
+            "brownout_tier_transitions",
+            "Ladder transitions by edge and reason.",
+            ["from", "to", "reason"],
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            "brownout_breaker_state",
+            "Circuit breaker state (0 closed, 1 half-open, 2 open).",
+            ["backend"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "brownout_breaker_transitions",
+            "Circuit breaker state changes.",
+            ["backend", "from", "to"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "brownout_retries",
+            "Requests retried on another backend before their first byte.",
+            ["from", "to"],
+            registry=r,
+        )
+        self.rescues = Counter(
+            "brownout_stream_rescues",
+            "Streams that died mid-answer, by outcome (rescued on the fallback, or failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.maintenance_answers = Counter(
+            "brownout_maintenance_answers",
+            "Answers given in maintenance, by kind (faq, notice).",
+            ["kind"],
+            registry=r,
+        )
+
+        self.admission_limit = Gauge(
+            "brownout_admission_limit",
+            "Current concurrency limit in front of the primary.",
+            registry=r,
+        )
+        self.admission_inflight = Gauge(
+            "brownout_admission_inflight",
+            "Requests holding an admission slot.",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "brownout_queue_depth",
+            "Requests waiting for an admission slot.",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "brownout_queue_wait_seconds",
+            "Time admitted requests waited for a slot.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=r,
+        )
+        self.shed = Counter(
+            "brownout_shed",
+            "Requests refused with 429, by priority and reason.",
+            ["priority", "reason"],
+            registry=r,
+        )
+        self.pressure = Gauge(
+            "brownout_pressure",
+            "1 while the throttle signals report pressure.",
+            registry=r,
+        )
+        self.upstream_waiting = Gauge(
+            "brownout_upstream_num_requests_waiting",
+            "vLLM requests waiting (scraped, summed over engines).",
+            registry=r,
+        )
+        self.upstream_running = Gauge(
+            "brownout_upstream_num_requests_running",
+            "vLLM requests running (scraped, summed over engines).",
+            registry=r,
+        )
+        self.upstream_kv_cache = Gauge(
+            "brownout_upstream_kv_cache_usage_perc",
+            "vLLM KV-cache usage, 0–1 (scraped).",
+            registry=r,
+        )
+
+        self.session_ops = Counter(
+            "brownout_session_ops",
+            "Session store operations by result (ok, unavailable, queued, late, rejected).",
+            ["op", "result"],
+            registry=r,
+        )
+        self.session_saves_waiting = Gauge(
+            "brownout_session_saves_waiting",
+            "Finished turns waiting for the session store to come back.",
+            registry=r,
+        )
+        self.session_turns_dropped = Counter(
+            "brownout_session_turns_dropped",
+            "Waiting turns dropped because the queue was full during a long outage.",
+            registry=r,
+        )
+        self.session_store_up = Gauge(
+            "brownout_session_store_up",
+            "1 while the session store answers.",
+            registry=r,
+        )
+        self.trimmed = Counter(
+            "brownout_trimmed_requests",
+            "Requests whose messages were trimmed to the window.",
+            ["backend"],
+            registry=r,
+        )
+        self.trimmed_turns = Counter(
+            "brownout_trimmed_turns",
+            "Turns dropped from prompts to fit the window.",
+            ["backend"],
+            registry=r,
+        )
+        self.token_estimates = Counter(
+            "brownout_token_count_estimates",
+            "Trims that had to estimate token counts (no tokenizer, /tokenize failed).",
+            ["backend"],
+            registry=r,
+        )
+
+        self.shared_configured = Gauge(
+            "brownout_shared_state_configured",
+            "1 when the policy shares ladder state across replicas (ladder.shared.redis).",
+            registry=r,
+        )
+        self.shared_up = Gauge(
+            "brownout_shared_state_up",
+            "1 while the replicas' shared state (Redis) answers; 0 = local state only.",
+            registry=r,
+        )
+
+        self.guard_trips = Counter(
+            "brownout_guard_trips",
+            "Answers stopped by the output guard, by rule and backend.",
+            ["rule", "backend"],
+            registry=r,
+        )
+
+        self.guard_notes = Counter(
+            "brownout_guard_notes",
+            "Guard findings that did not stop the answer (rules in log mode, dropped events).",
+            ["rule", "backend"],
+            registry=r,
+        )
+
+        self.reloads = Counter(
+            "brownout_policy_reloads",
+            "Policy reloads applied.",
+            registry=r,
+        )
+        self.reload_failures = Counter(
+            "brownout_policy_reload_failures",
+            "Policy reloads rejected (the running policy stayed).",
+            registry=r,
+        )
+        self.loop_errors = Counter(
+            "brownout_loop_errors",
+            "Unexpected exceptions in background work (the loop went on after a backoff).",
+            ["loop"],
+            registry=r,
+        )
+        r.register(_LogDrops())
+
+    def for_backend(self, name: str) -> BackendMetrics:
+        return BackendMetrics(
+            ttft=self.ttft.labels(name),
+            duration=self.duration.labels(name),
+            upstream_errors=self.upstream_errors.labels(name, "connect"),
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LogDrops(Collector):
+    """The process's log writer counts what it dropped; read at scrape time."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "brownout_log_lines_dropped",
+            "Log lines dropped because stderr's reader did not keep up.",
+            value=lines_dropped(),
+        )

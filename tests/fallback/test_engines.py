@@ -1,0 +1,199 @@
+"""Both generation engines, each on a real server under its default settings.
+
+`--engine threads` and `--engine batched` (Transformers' continuous batching,
+slow on CPU but correct) each get one server started without
+`--max-concurrency`, so the capacity is whatever the device planning gives.
+Overlap is asserted on what the server reports (its running gauge while
+every stream has produced a token and none has finished), never on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fallback.conftest import FallbackServer, RawStream, start_server, stop_server
+from tests.harness.procs import http_json
+
+ENGINES = ("threads", "batched")
+STORY = [{"role": "user", "content": "Write a story about a fox."}]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine_server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FallbackServer]:
+    engine = request.param
+    log_path = tmp_path_factory.mktemp(f"engine-{engine}") / "server.log"
+    server = start_server(tiny_model_dir, log_path, ["--engine", engine])
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture
+def server(engine_server: FallbackServer) -> Iterator[FallbackServer]:
+    assert engine_server.proc.poll() is None, engine_server.log_tail()
+    yield engine_server
+    engine_server.wait_metric("vllm:num_requests_running", 0, timeout=10)
+    engine_server.wait_metric("vllm:num_requests_waiting", 0, timeout=10)
+
+
+def _long_stream(model: str, content: str = "Tell me a very long story.") -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "stream": True,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+
+
+def _first_content(stream: RawStream) -> str:
+    for event in stream.events():
+        if '"content":"' in event and '"role"' not in event:
+            return event
+        assert event != "[DONE]", "stream ended before producing content"
+    pytest.fail("stream ended before producing content")
+
+
+def test_capacity_is_planned_from_the_device(server: FallbackServer) -> None:
+    lines = server.log_path.read_text().splitlines()
+    planned = [json.loads(line) for line in lines if '"event":"capacity"' in line]
+    assert len(planned) == 1
+    assert planned[0]["engine"] in ENGINES
+    assert planned[0]["source"] != "--max-concurrency"
+    assert planned[0]["max_running"] >= 8  # not the old default of 1
+
+
+def test_eight_streams_overlap_under_default_settings(server: FallbackServer) -> None:
+    streams = [
+        RawStream(server, "/v1/chat/completions", _long_stream(server.served_model_name, f"Go {i}"))
+        for i in range(8)
+    ]
+    try:
+        for stream in streams:
+            assert stream.response.status == 200  # admitted, not 503
+            _first_content(stream)
+        # Every stream has its first token and none can have finished (1,500 tokens each):
+        # all eight are generating at once, and the engine says so.
+        assert server.metric("vllm:num_requests_running") == 8
+        assert server.metric("vllm:num_requests_waiting") == 0
+    finally:
+        for stream in streams:
+            stream.close()
+    assert server.wait_metric("vllm:num_requests_running", 0, timeout=5) < 2.0
+
+
+def test_disconnect_frees_the_slot_at_once(server: FallbackServer) -> None:
+    name = server.served_model_name
+    tokens_before = server.metric("vllm:generation_tokens_total")
+    aborted_before = server.metric(
+        "vllm:request_success_total", finished_reason="abort", model_name=name
+    )
+    stream = RawStream(server, "/v1/chat/completions", _long_stream(name))
+    _first_content(stream)
+    assert server.metric("vllm:num_requests_running") == 1
+    stream.close()
+
+    assert server.wait_metric("vllm:num_requests_running", 0, timeout=5) < 1.0
+    generated = server.metric("vllm:generation_tokens_total") - tokens_before
+    assert generated < 1000  # of the 1,500 it would have produced
+    aborted = server.metric("vllm:request_success_total", finished_reason="abort", model_name=name)
+    assert aborted == aborted_before + 1
+    # The freed slot serves the next request.
+    status, body = server.post(
+        "/v1/chat/completions", {"messages": STORY, "max_tokens": 4, "temperature": 0}
+    )
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_continuation_continues_the_partial_assistant_message(server: FallbackServer) -> None:
+    prefix = "Once upon a time, there was a small village"
+    messages = [*STORY, {"role": "assistant", "content": prefix}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    _, rendered = server.post("/tokenize", {"messages": messages, **flags})
+    _, prefix_ids = server.post("/tokenize", {"prompt": prefix, "add_special_tokens": False})
+    assert rendered["tokens"][-prefix_ids["count"] :] == prefix_ids["tokens"]
+
+    status, continued = server.post(
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": 10, "temperature": 0, **flags},
+    )
+    assert status == 200, continued
+    assert continued["usage"]["prompt_tokens"] == rendered["count"]
+    status, raw = server.post(
+        "/v1/completions", {"prompt": rendered["tokens"], "max_tokens": 10, "temperature": 0}
+    )
+    assert status == 200, raw
+    # Greedy from exactly those ids: the same continuation.
+    assert continued["choices"][0]["message"]["content"] == raw["choices"][0]["text"]
+
+
+def test_same_seed_same_text_while_sharing_the_engine(server: FallbackServer) -> None:
+    def sample(seed: int) -> str:
+        status, body = server.post(
+            "/v1/chat/completions",
+            {"messages": STORY, "max_tokens": 16, "temperature": 1.0, "seed": seed},
+        )
+        assert status == 200, body
+        return str(body["choices"][0]["message"]["content"])
+
+    alone = sample(5)
+    # Again, while another stream shares the engine (the batched engine batches them).
+    other = RawStream(server, "/v1/chat/completions", _long_stream(server.served_model_name))
+    try:
+        _first_content(other)
+        shared = sample(5)
+    finally:
+        other.close()
+    assert shared == alone
+    assert sample(6) != alone
+
+
+def test_metrics_keep_vllm_names_fed_by_the_engine(server: FallbackServer) -> None:
+    name = server.served_model_name
+    status, text = http_json("GET", server.url + "/metrics")
+    assert status == 200
+    for metric in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f'vllm:{metric}{{model_name="{name}"}}' in text
+    stream = RawStream(server, "/v1/chat/completions", _long_stream(name))
+    try:
+        _first_content(stream)
+        assert 0.0 < server.metric("vllm:kv_cache_usage_perc", model_name=name) <= 1.0
+    finally:
+        stream.close()
+
+
+def test_batched_over_capacity_503_then_sigterm_ends_streams_in_band(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    args = ["--engine", "batched", "--max-concurrency", "1", "--max-queue", "0"]
+    server = start_server(tiny_model_dir, tmp_path / "server.log", args)
+    try:
+        stream = RawStream(server, "/v1/chat/completions", _long_stream(server.served_model_name))
+        _first_content(stream)
+        status, body = server.post(
+            "/v1/chat/completions", {"messages": STORY, "max_tokens": 4, "temperature": 0}
+        )
+        assert status == 503
+        assert body["error"]["code"] == "overloaded"
+        server.proc.send_signal(signal.SIGTERM)
+        rest = list(stream.events())
+        stream.close()
+        assert server.proc.wait(timeout=15) == 0
+    finally:
+        if server.proc.poll() is None:
+            stop_server(server)
+    assert rest[-1] == "[DONE]"
+    last = json.loads(rest[-2])
+    assert last["error"]["code"] == 503
+    assert "shutting down" in last["error"]["message"]
