@@ -59,6 +59,8 @@ _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 MALFORMED_ENV = r"\$\{(?![A-Za-z_][A-Za-z0-9_]*(?::-(?:[^}$]|\$(?!\{))*)?\})"
 MALFORMED_ENV_RE = re.compile(MALFORMED_ENV)
 T = TypeVar("T")
+# `<<: *a` where a merges b which merges c...: deeper is no configuration.
+_MERGE_DEPTH = 32
 
 
 class _Invalid:
@@ -262,6 +264,8 @@ class Converter:
                     self.issue(src, f"{path}.<<: can only merge a mapping, got a {kind(src)}")
                 elif id(src) in inside or id(node) == id(src):
                     self.issue(src, f"{path}.<<: a mapping cannot merge itself")
+                elif len(inside) >= _MERGE_DEPTH:
+                    self.issue(src, f"{path}.<<: merges nested over {_MERGE_DEPTH} deep")
                 else:
                     self.budget -= len(src.value)
                     if self.budget < 0:
@@ -358,6 +362,9 @@ def _budget(root: yaml.Node) -> int:
 def _convert(conv: Converter, root: yaml.Node, cls: type[T]) -> T:
     try:
         return conv.dataclass(root, cls, "")
+    except RecursionError:  # a backstop: the schema and merges are depth-bounded
+        why = "YAML: nested too deeply (lists or mappings inside each other)"
+        raise PolicyError([PolicyIssue(conv.file, 1, why)]) from None
     except TooLarge as exc:
         line = exc.node.start_mark.line + 1
         message = (

@@ -359,3 +359,12 @@ def test_a_merge_key_bomb_is_refused_quickly() -> None:
 def test_a_mapping_that_merges_itself_is_an_error() -> None:
     (line,) = errors("backends:\n  primary: &p\n    url: http://h:1\n    <<: *p\n")
     assert line == "p.yaml:2: backends.primary.<<: a mapping cannot merge itself"
+
+
+def test_a_deep_chain_of_merges_is_an_error_not_a_recursion_error() -> None:
+    levels = ["  l0: &l0 {connect_s: 1}"] + [
+        f"  l{i}: &l{i} {{<<: *l{i - 1}}}" for i in range(1, 1500)
+    ]
+    text = "x:\n" + "\n".join(levels) + "\n" + PRIMARY + "    timeouts: {<<: *l1499}\n"
+    lines = errors(text)
+    assert any("merges nested over 32 deep" in line for line in lines), lines[:3]
