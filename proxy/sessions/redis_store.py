@@ -32,12 +32,14 @@ log = logging.getLogger("proxy.sessions.store")
 Clock = Callable[[], float]
 
 
-def _wtf8_or_replace(exc: UnicodeError) -> tuple[str, int]:
+def _wtf8_or_replace(exc: UnicodeError) -> tuple[str | bytes, int]:
     """Decoding error handler for what Redis holds: a WTF-8 surrogate (what
     `encode_json` writes) is read back as that code point, like
     `surrogatepass`; any other invalid byte (written by something else)
     becomes U+FFFD. Without the fallback one such byte failed the reply of
     every script batched with it, and marked the store down."""
+    if isinstance(exc, UnicodeEncodeError):  # redis-py encodes str arguments with it too
+        return exc.object[exc.start : exc.end].encode("utf-8", "surrogatepass"), exc.end
     if not isinstance(exc, UnicodeDecodeError):
         raise exc
     b, i = exc.object, exc.start

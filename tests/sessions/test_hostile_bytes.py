@@ -121,3 +121,14 @@ async def test_turns_waiting_while_redis_restarts_are_written_in_order(
         assert len(await store.load(key)) == 4
     finally:
         await store.close()
+
+
+def test_the_redis_codec_handler_is_lossless_both_ways() -> None:
+    from proxy.sessions.redis_store import DECODE_ERRORS
+
+    text = "a\ud800b\udfff é"
+    wtf8 = text.encode("utf-8", "surrogatepass")
+    # Arguments are encoded with the same handler as replies are decoded.
+    assert text.encode("utf-8", DECODE_ERRORS) == wtf8
+    assert wtf8.decode("utf-8", DECODE_ERRORS) == text
+    assert b"\xff\xed\xa0".decode("utf-8", DECODE_ERRORS) == "\ufffd\ufffd\ufffd"
