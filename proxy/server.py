@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from proxy.app import create_app
 from proxy.ingress.listen import GuardedSite
-from proxy.policy import Policy
+from proxy.policy import Policy, redact_url
 from proxy.runtime.keys import STATE
 from proxy.telemetry.logs import configure_logging
 
@@ -30,14 +31,7 @@ def run(policy: Policy, host: str | None = None, port: int | None = None) -> Non
     host = host or policy.server.host
     port = port or policy.server.port
     log = structlog.get_logger("brownout")
-    log.info(
-        "starting",
-        host=host,
-        port=port,
-        policy=policy.source,
-        primary=policy.backends.primary.url,
-        fallback=policy.backends.fallback.url if policy.backends.fallback else None,
-    )
+    log.info("starting", **starting_fields(policy, host, port))
     loop = _new_loop()
     asyncio.set_event_loop(loop)
     app = create_app(policy)
@@ -101,6 +95,18 @@ def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:
         t.cancel()
     if tasks:
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+
+def starting_fields(policy: Policy, host: str, port: int) -> dict[str, Any]:
+    """The `starting` log line: backend URLs without their `user:password@`."""
+    fallback = policy.backends.fallback
+    return {
+        "host": host,
+        "port": port,
+        "policy": policy.source,
+        "primary": redact_url(policy.backends.primary.url),
+        "fallback": redact_url(fallback.url) if fallback is not None else None,
+    }
 
 
 async def _freeze_startup_objects(app: web.Application) -> None:

@@ -8,6 +8,7 @@ library only: the command must start fast and needs no event loop.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -38,22 +39,27 @@ class ReloadOutcome:
 
 def request_reload(url: str, token: str | None, timeout_s: float) -> ReloadOutcome:
     """POST {url}/brownout/reload with the token; never raises for HTTP or network errors."""
-    req = urllib.request.Request(url.rstrip("/") + "/brownout/reload", data=b"", method="POST")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    except (OSError, ValueError) as exc:  # refused, timeout, DNS, bad URL
-        reason = getattr(exc, "reason", exc)
+        req = urllib.request.Request(url.rstrip("/") + "/brownout/reload", data=b"", method="POST")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+    # Refused, timeout, DNS, a bad URL, or something that is not an HTTP
+    # server (a bad status line, a body cut short).
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         return ReloadOutcome(None, None, f"cannot reach {url}: {reason}")
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ReloadOutcome(status, None, f"{url} answered HTTP {status} without JSON")
-    return ReloadOutcome(status, body if isinstance(body, dict) else None)
+    if not isinstance(body, dict):
+        return ReloadOutcome(status, None, f"{url} answered HTTP {status} with unexpected JSON")
+    return ReloadOutcome(status, body)
 
 
 def render(outcome: ReloadOutcome) -> tuple[int, list[str], list[str]]:
@@ -61,12 +67,19 @@ def render(outcome: ReloadOutcome) -> tuple[int, list[str], list[str]]:
     body = outcome.body
     if outcome.problem is not None or body is None:
         return EXIT_UNREACHABLE, [], [f"brownout reload: {outcome.problem or 'no answer'}"]
-    # A reload result has "ok" (a rejected one also carries an error object);
-    # anything else with an error object is the proxy refusing the request.
-    if "ok" not in body and isinstance(body.get("error"), dict):
+    if body.get("ok") is False and isinstance(body.get("errors"), list):
+        # The proxy read the new policy and kept the running one (HTTP 422);
+        # its answer carries an error object too, but this is no refusal.
+        errors = [str(e) for e in body["errors"]]
+        return (
+            EXIT_REJECTED,
+            [],
+            ["brownout reload: rejected, the running policy is unchanged:", *errors],
+        )
+    if "error" in body and isinstance(body["error"], dict):
         message = body["error"].get("message", "error")
         return EXIT_UNREACHABLE, [], [f"brownout reload: HTTP {outcome.status}: {message}"]
-    if body.get("ok") is True:
+    if body.get("ok") is True and isinstance(body.get("changes", []), list):
         changes = [str(c) for c in body.get("changes") or ()]
         out = ["reloaded: " + (f"{len(changes)} change(s)" if changes else "no changes")]
         out += [f"  {c}" for c in changes]
@@ -75,9 +88,8 @@ def render(outcome: ReloadOutcome) -> tuple[int, list[str], list[str]]:
                 out.append(f"{key.replace('_', ' ')}:")
                 out += [f"  {v}" for v in value]
         return 0, out, []
-    errors = [str(e) for e in body.get("errors") or ()]
     return (
-        EXIT_REJECTED,
+        EXIT_UNREACHABLE,
         [],
-        ["brownout reload: rejected, the running policy is unchanged:", *errors],
+        [f"brownout reload: HTTP {outcome.status}: not a reload answer: {str(body)[:200]}"],
     )

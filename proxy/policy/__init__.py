@@ -4,6 +4,7 @@ One frozen dataclass tree mirrors the YAML tree (`schema` and its section
 modules); every knob is declared once with `knob()` — its default, doc,
 range, unit and marks (secret, restart). From that one declaration come:
 
+- `yamlfile`: the file read (bounded) and composed into line-marked nodes;
 - `loader`: YAML → objects, `FILE:LINE: dotted.path: message` for every
   problem at once (types and ranges), then `checks` (cross-field rules);
 - `diff`: what a reload changes, with secrets redacted by their mark and

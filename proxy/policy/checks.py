@@ -11,9 +11,11 @@ import itertools
 import json
 import re
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
+from proxy.policy.diff import redact
 from proxy.policy.priority import parse_key_priority
 from proxy.policy.schema import Policy
 
@@ -51,8 +53,11 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
         if b is None:
             continue
         pre = f"backends.{name}"
-        if not _URL_RE.match(b.url):
-            bad(f"{pre}.url", f"not an http(s) URL: {b.url!r}")
+        why = None if _URL_RE.match(b.url) else "not an http(s) URL"
+        if why is None:
+            why = _url_problem(b.url)
+        if why is not None:
+            bad(f"{pre}.url", f"{why}: {redact(f'{pre}.url', b.url)!r}")
         if not b.health.path.startswith("/"):
             bad(f"{pre}.health.path", f"must start with '/', got {b.health.path!r}")
         if not b.probe.path.startswith("/"):
@@ -75,10 +80,16 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
                 )
     store = policy.sessions.store
     if not (store == "memory://" or store.startswith(_REDIS_SCHEMES)):
-        bad("sessions.store", f"expected memory:// or redis://host:port/db, got {store!r}")
+        shown = redact("sessions.store", store)
+        bad("sessions.store", f"expected memory:// or redis://host:port/db, got {shown!r}")
+    elif store != "memory://" and (why := _redis_problem(store)) is not None:
+        bad("sessions.store", f"{why}: {redact('sessions.store', store)!r}")
     shared = policy.ladder.shared.redis
     if shared and not shared.startswith(_REDIS_SCHEMES):
-        bad("ladder.shared.redis", f"expected redis://host:port/db, got {shared!r}")
+        shown = redact("ladder.shared.redis", shared)
+        bad("ladder.shared.redis", f"expected redis://host:port/db, got {shown!r}")
+    elif shared and (why := _redis_problem(shared)) is not None:
+        bad("ladder.shared.redis", f"{why}: {redact('ladder.shared.redis', shared)!r}")
     trim = policy.sessions.trimming
     if trim.low_water >= trim.high_water:
         bad(
@@ -128,3 +139,35 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
     for i, tok in enumerate(g.special_tokens.tokens):
         if not tok or len(tok) > 256:
             bad("guard.special_tokens.tokens", f"item {i} must be 1–256 characters")
+
+
+def _url_problem(url: str) -> str | None:
+    """Why a URL's host, port or userinfo would not be used as written."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        return f"not a valid URL ({exc})"
+    if "@" in url and "@" not in parts.netloc:
+        # Checked first: the text before that '@' is a password, never shown.
+        return "not a valid URL (escape '@', '/', '?' and '#' in the password as %XX)"
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number in range
+    except ValueError as exc:  # the port comes after any userinfo: not a secret
+        return f"not a valid URL ({exc})"
+    if not parts.hostname and not parts.path.startswith("/"):
+        return "not a valid URL (no host)"
+    return None
+
+
+def _redis_problem(url: str) -> str | None:
+    """What redis-py would refuse in a redis://, rediss:// or unix:// URL."""
+    why = _url_problem(url)
+    if why is not None:
+        return why
+    parts = urlsplit(url)
+    db = parse_qs(parts.query).get("db", [""])[0]
+    if parts.scheme in ("redis", "rediss") and not db:
+        db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        return f"not a valid Redis URL (the database must be a number, got {db!r})"
+    return None

@@ -39,7 +39,9 @@ def redact_url(url: str) -> str:
     except ValueError:
         return REDACTED
     if "@" not in parts.netloc:
-        return url
+        # An '@' elsewhere is a password the URL parser did not see as one
+        # (an unescaped '#', '/' or '?' in it, or no scheme): hide it all.
+        return REDACTED if "@" in url else url
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
@@ -53,7 +55,9 @@ def redact(path: str, value: Any) -> Any:
     if kind == "userinfo":
         return redact_url(str(value))
     if kind == "pairs":
-        return tuple(f"{REDACTED}={str(v).rpartition('=')[2]}" for v in value)
+        return tuple(
+            f"{REDACTED}={str(v).rpartition('=')[2]}" if "=" in str(v) else REDACTED for v in value
+        )
     if isinstance(value, tuple):
         return tuple(REDACTED for _ in value)
     return REDACTED

@@ -18,10 +18,15 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from proxy.policy.faq import FaqFile
 from proxy.policy.knobs import Bounds
+from proxy.policy.loader import MALFORMED_ENV
 from proxy.policy.schema import Policy, public_fields
 
 # A `${VAR}` anywhere in a value is expanded before the value is typed.
-_ENV_STRING = {"type": "string", "pattern": r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[^}]*)?\}"}
+_ENV_STRING = {
+    "type": "string",
+    "pattern": r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[^}]*)?\}",
+    "not": {"type": "string", "pattern": MALFORMED_ENV},
+}
 
 
 def _jsonable(value: Any) -> Any:
@@ -73,7 +78,8 @@ def _type(tp: Any, bounds: Bounds | None, defs: dict[str, Any]) -> dict[str, Any
         number = _bounds({"type": "integer" if tp is int else "number"}, bounds)
         return {"anyOf": [number, _ENV_STRING]}
     if tp is str:
-        return {"type": "string"}
+        # A plain number where text goes is kept as written (`api_key: 0123`).
+        return {"type": ["string", "number"], "not": {"type": "string", "pattern": MALFORMED_ENV}}
     raise TypeError(f"no JSON Schema for {tp!r}")
 
 

@@ -10,12 +10,12 @@ All errors of a file are collected, not just the first.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -24,31 +24,43 @@ import yaml
 from proxy.policy.faq import FaqFile
 from proxy.policy.knobs import Bounds
 from proxy.policy.schema import Policy, public_fields
+from proxy.policy.yamlfile import (
+    COLLECTION_TAGS,
+    CORE,
+    EXPANSION,
+    MAX_FILE_BYTES,
+    MIN_BUDGET,
+    SCALAR_TAGS,
+    TYPED,
+    PolicyError,
+    PolicyIssue,
+    TooLarge,
+    compose,
+    count_nodes,
+    kind,
+    read_text,
+    short_tag,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class PolicyIssue:
-    file: str
-    line: int  # 1-based
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.message}"
-
-
-class PolicyError(Exception):
-    """A policy file that cannot be used; carries every issue found."""
-
-    def __init__(self, issues: list[PolicyIssue]) -> None:
-        self.issues = issues
-        super().__init__("\n".join(str(i) for i in issues))
-
-    def lines(self) -> list[str]:
-        return [str(i) for i in self.issues]
+__all__ = [
+    "MALFORMED_ENV",
+    "MAX_FILE_BYTES",
+    "Converter",
+    "PolicyError",
+    "PolicyIssue",
+    "load_policy",
+    "parse_policy",
+]
 
 
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# A `${` that does not start `${NAME}` or `${NAME:-default}` with a default
+# free of `}` and `${` (also in the JSON Schema, as an ECMA-262 pattern).
+MALFORMED_ENV = r"\$\{(?![A-Za-z_][A-Za-z0-9_]*(?::-(?:[^}$]|\$(?!\{))*)?\})"
+MALFORMED_ENV_RE = re.compile(MALFORMED_ENV)
 T = TypeVar("T")
+# `<<: *a` where a merges b which merges c...: deeper is no configuration.
+_MERGE_DEPTH = 32
 
 
 class _Invalid:
@@ -62,51 +74,115 @@ INVALID: Any = _Invalid()
 class Converter:
     """Walks a YAML node tree against a dataclass schema, collecting issues."""
 
-    def __init__(self, file: str, env: Mapping[str, str]) -> None:
+    def __init__(self, file: str, env: Mapping[str, str], budget: int = MIN_BUDGET) -> None:
         self.file = file
         self.env = env
         self.issues: list[PolicyIssue] = []
         # Knobs whose value was rejected (cross-field rules skip them).
         self.invalid: set[str] = set()
+        self.budget = budget
+        self._resolver = yaml.resolver.Resolver()
+        self._constructor = yaml.constructor.SafeConstructor()
 
     def issue(self, node: yaml.Node, message: str) -> None:
         self.issues.append(PolicyIssue(self.file, node.start_mark.line + 1, message))
 
-    def interpolate(self, node: yaml.ScalarNode) -> str:
+    def interpolate(self, node: yaml.ScalarNode, path: str) -> str:
         def sub(m: re.Match[str]) -> str:
             name, default = m.group(1), m.group(2)
             if name in self.env:
                 return self.env[name]
             if default is not None:
                 return default
-            self.issue(node, f"environment variable {name} is not set")
+            self.issue(node, f"{path}: environment variable {name} is not set")
             return ""
 
+        # A `${` that does not start a well-formed `${NAME}` or `${NAME:-default}`
+        # (unterminated, nested, a bad name) would otherwise stay in the value
+        # as literal text, silently.
+        if MALFORMED_ENV_RE.search(node.value):
+            self.issue(
+                node,
+                f"{path}: malformed ${{...}}: write ${{NAME}} or ${{NAME:-default}} "
+                "(a default cannot contain '}' or another ${...})",
+            )
+            return ""
         return _ENV_RE.sub(sub, node.value)
 
-    def scalar(self, node: yaml.Node, path: str) -> Any:
-        """A scalar's value with YAML 1.1 typing applied after ${ENV} expansion."""
+    def resolve(self, text: str, plain: bool) -> str:
+        """The tag YAML gives a scalar without an explicit one."""
+        tag = self._resolver.resolve(  # type: ignore[no-untyped-call]
+            yaml.ScalarNode, text, (plain, not plain)
+        )
+        return str(tag)
+
+    def explicit_tag(self, node: yaml.Node, path: str) -> str | None:
+        """The node's explicit core tag (`!!str 80`), None when it has none;
+        an unsupported tag is an issue (and INVALID is returned)."""
+        if isinstance(node, yaml.ScalarNode):
+            plain = node.style is None
+            implicit = self.resolve(node.value, plain)
+            allowed = SCALAR_TAGS
+        else:
+            implicit = f"{CORE}map" if isinstance(node, yaml.MappingNode) else f"{CORE}seq"
+            allowed = COLLECTION_TAGS
+        if node.tag == implicit:
+            return None
+        if node.tag in allowed:
+            return str(node.tag)
+        self.issue(node, f"{path}: YAML tag {short_tag(node.tag)} is not supported here")
+        return typing.cast(str, INVALID)
+
+    def typed(self, node: yaml.ScalarNode, tag: str, text: str, path: str) -> Any:
+        """`text` as the core type `tag` names (int, float, bool, null)."""
+        try:
+            return self._constructor.construct_object(yaml.ScalarNode(tag, text))
+        except ValueError as exc:
+            if "limit" in str(exc):  # more digits than int() accepts
+                self.issue(node, f"{path}: number too large, got {len(text)} characters")
+            else:
+                self.issue(node, f"{path}: {text!r} is not a valid {short_tag(tag)}")
+        except yaml.YAMLError:
+            self.issue(node, f"{path}: {text!r} is not a valid {short_tag(tag)}")
+        return INVALID
+
+    def scalar(self, node: yaml.Node, path: str, text_wanted: bool = False) -> Any:
+        """A scalar's value with YAML 1.1 typing applied after ${ENV} expansion.
+
+        Where text is wanted, a plain value is kept as written (`0123`, `1_000`,
+        `12:30` stay those characters, they are not numbers first)."""
         if not isinstance(node, yaml.ScalarNode):
-            self.issue(node, f"{path}: expected a single value, got a {_kind(node)}")
+            self.issue(node, f"{path}: expected a single value, got a {kind(node)}")
             return INVALID
+        tag = self.explicit_tag(node, path)
+        if tag is INVALID:
+            return INVALID
+        has_env = "${" in node.value
         before = len(self.issues)
-        text = self.interpolate(node) if "${" in node.value else node.value
+        text = self.interpolate(node, path) if has_env else node.value
         if len(self.issues) != before:
             return INVALID
-        if node.style in ("'", '"'):
+        if tag is not None:
+            return text if tag == f"{CORE}str" else self.typed(node, tag, text, path)
+        if node.style is not None and not (has_env and not text_wanted):
+            # Quoted (or block) text is text; a quoted `"${PORT}"` where a
+            # number goes is typed after expansion like a plain one.
             return text
         if text == "":
             # An empty ${VAR} means "empty text", not null.
-            return "" if "${" in node.value else None
+            return "" if has_env else None
         # Resolve the plain scalar's type as YAML would (int, float, bool, null);
-        # an expanded value that parses as a structure stays text.
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
+        # anything else (dates, an expanded value that looks like a structure)
+        # stays text.
+        resolved = self.resolve(text, True)
+        if resolved not in TYPED or (text_wanted and resolved in (f"{CORE}int", f"{CORE}float")):
             return text
-        return value if not isinstance(value, dict | list) else text
+        return self.typed(node, resolved, text, path)
 
     def convert(self, node: yaml.Node, tp: Any, path: str, bounds: Bounds | None = None) -> Any:
+        self.budget -= 1
+        if self.budget < 0:
+            raise TooLarge(node)
         origin = get_origin(tp)
         if origin is typing.Union or origin is types.UnionType:
             args = [a for a in get_args(tp) if a is not type(None)]
@@ -117,12 +193,14 @@ class Converter:
             return self.convert(node, args[0], path, bounds)
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return self.dataclass(node, tp, path)
+        if not isinstance(node, yaml.ScalarNode) and self.explicit_tag(node, path) is INVALID:
+            return INVALID
         if origin is tuple:
             (item_tp, _ellipsis) = get_args(tp)
             if isinstance(node, yaml.ScalarNode) and self.scalar(node, path) is None:
                 return ()
             if not isinstance(node, yaml.SequenceNode):
-                self.issue(node, f"{path}: expected a list, got a {_kind(node)}")
+                self.issue(node, f"{path}: expected a list, got a {kind(node)}")
                 return INVALID
             items = tuple(
                 self.convert(n, item_tp, f"{path}[{i}]", bounds) for i, n in enumerate(node.value)
@@ -135,22 +213,28 @@ class Converter:
                 return value
             if value not in allowed:
                 choices = " | ".join(str(a) for a in allowed)
-                self.issue(node, f"{path}: {value!r} is not one of {choices}")
+                self.issue(node, f"{path}: {_shown(value)} is not one of {choices}")
                 return INVALID
             return value
-        value = self.scalar(node, path)
+        value = self.scalar(node, path, text_wanted=tp is str)
         if value is INVALID:
             return value
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # beyond any float: 400 digits
+                self.issue(node, f"{path}: number too large, got {len(str(value))} digits")
+                return INVALID
+        if tp is int and isinstance(value, float) and value.is_integer():
+            value = int(value)  # `20.0` is an integer (as JSON Schema has it)
         if tp is str and isinstance(value, int | float) and not isinstance(value, bool):
             # Numbers where text is expected (tokens, names) are kept as written.
             return str(value)
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            self.issue(node, f"{path}: expected {_type_name(tp)}, got {value!r}")
+            self.issue(node, f"{path}: expected {_type_name(tp)}, got {_shown(value)}")
             return INVALID
-        if tp is float and value != value:  # NaN passes every comparison
-            self.issue(node, f"{path}: expected a number, got {value!r}")
+        if tp is float and not math.isfinite(value):  # NaN passes every comparison
+            self.issue(node, f"{path}: expected a number, got {value!r} (not finite)")
             return INVALID
         if bounds is not None and tp in (int, float):
             why = bounds.violation(value)
@@ -159,18 +243,64 @@ class Converter:
                 return INVALID
         return value
 
+    def pairs(
+        self, node: yaml.MappingNode, path: str, inside: tuple[int, ...]
+    ) -> list[tuple[yaml.Node, yaml.Node]]:
+        """The mapping's key/value pairs with YAML merge keys (`<<: *base`,
+        `<<: [*a, *b]`) applied: keys written here win over merged ones, and
+        an earlier merged mapping wins over a later one (as PyYAML, and so the
+        JSON Schema's view of the file, has it)."""
+        own: list[tuple[yaml.Node, yaml.Node]] = []
+        merged: list[tuple[yaml.Node, yaml.Node]] = []
+        for key_node, value_node in node.value:
+            if key_node.tag != f"{CORE}merge":
+                own.append((key_node, value_node))
+                continue
+            sources = (
+                value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            )
+            for src in sources:
+                if not isinstance(src, yaml.MappingNode):
+                    self.issue(src, f"{path}.<<: can only merge a mapping, got a {kind(src)}")
+                elif id(src) in inside or id(node) == id(src):
+                    self.issue(src, f"{path}.<<: a mapping cannot merge itself")
+                elif len(inside) >= _MERGE_DEPTH:
+                    self.issue(src, f"{path}.<<: merges nested over {_MERGE_DEPTH} deep")
+                else:
+                    self.budget -= len(src.value)
+                    if self.budget < 0:
+                        raise TooLarge(src)
+                    merged += self.pairs(src, path, (*inside, id(node)))
+        if not merged:
+            return own
+        written = {k.value for k, _ in own if isinstance(k, yaml.ScalarNode)}
+        for key_node, value_node in merged:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is None or key not in written:
+                own.append((key_node, value_node))
+                if key is not None:
+                    written.add(key)
+        return own
+
     def dataclass(self, node: yaml.Node, cls: type[T], path: str) -> T:
         if not isinstance(node, yaml.MappingNode):
-            self.issue(node, f"{path or 'policy'}: expected a mapping, got a {_kind(node)}")
+            self.issue(node, f"{path or 'policy'}: expected a mapping, got a {kind(node)}")
+            return typing.cast(T, INVALID)
+        if self.explicit_tag(node, path or "policy") is INVALID:
             return typing.cast(T, INVALID)
         hints = get_type_hints(cls)
         fields = {f.name: f for f in public_fields(cls)}
         values: dict[str, Any] = {}
         seen: set[str] = set()
-        for key_node, value_node in node.value:
+        for key_node, value_node in self.pairs(node, path or "policy", ()):
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is None:
+                self.issue(
+                    key_node, f"{path or 'policy'}: a key must be a name, got a {kind(key_node)}"
+                )
+                continue
             where = f"{path}.{key}" if path else str(key)
-            if key is None or key not in fields:
+            if key not in fields:
                 known = ", ".join(sorted(fields))
                 self.issue(key_node, f"{where}: unknown key (known here: {known})")
                 continue
@@ -213,12 +343,10 @@ class Converter:
             return typing.cast(T, INVALID)
 
 
-def _kind(node: yaml.Node) -> str:
-    if isinstance(node, yaml.MappingNode):
-        return "mapping"
-    if isinstance(node, yaml.SequenceNode):
-        return "list"
-    return "value"
+def _shown(value: Any) -> str:
+    """A value in a message, cut to a line (a 4000-digit number, a long text)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _type_name(tp: Any) -> str:
@@ -227,26 +355,34 @@ def _type_name(tp: Any) -> str:
     )
 
 
-def _compose(text: str, file: str) -> yaml.Node | None:
+def _budget(root: yaml.Node) -> int:
+    return max(MIN_BUDGET, EXPANSION * count_nodes(root))
+
+
+def _convert(conv: Converter, root: yaml.Node, cls: type[T]) -> T:
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 1
-        raise PolicyError([PolicyIssue(file, line, f"YAML syntax: {exc.problem}")]) from None
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise PolicyError([PolicyIssue(file, 1, f"YAML: {type(exc).__name__}")]) from None
+        return conv.dataclass(root, cls, "")
+    except RecursionError:  # a backstop: the schema and merges are depth-bounded
+        why = "YAML: nested too deeply (lists or mappings inside each other)"
+        raise PolicyError([PolicyIssue(conv.file, 1, why)]) from None
+    except TooLarge as exc:
+        line = exc.node.start_mark.line + 1
+        message = (
+            "YAML aliases expand this file to more values than it may hold "
+            f"(over {EXPANSION}x its own size): write the repeated parts out"
+        )
+        raise PolicyError([PolicyIssue(conv.file, line, message)]) from None
 
 
 def parse_policy(text: str, file: str = "<string>", env: Mapping[str, str] | None = None) -> Policy:
     """Parse and validate policy text; raise PolicyError listing every issue."""
     from proxy.policy.checks import cross_checks
 
-    conv = Converter(file, os.environ if env is None else env)
-    root = _compose(text, file)
+    root = compose(text, file)
     if root is None:
         raise PolicyError([PolicyIssue(file, 1, "backends.primary: empty policy, but required")])
-    policy = conv.dataclass(root, Policy, "")
+    conv = Converter(file, os.environ if env is None else env, _budget(root))
+    policy = _convert(conv, root, Policy)
     if policy is not INVALID:
         cross_checks(policy, root, conv)
     if conv.issues:
@@ -258,10 +394,10 @@ def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Polic
     """Read a policy file and the files it names (blocking I/O: call at start-up
     or from a thread)."""
     p = Path(path)
-    policy = parse_policy(_read_text(p), str(p), env)
+    policy = parse_policy(read_text(p), str(p), env)
     if policy.faq.file:
         faq_path = p.parent / policy.faq.file
-        faq = _parse_faq(_read_text(faq_path), str(faq_path))
+        faq = _parse_faq(read_text(faq_path), str(faq_path))
         policy = dataclasses.replace(
             policy,
             faq=dataclasses.replace(policy.faq, entries=faq.entries + policy.faq.entries),
@@ -269,24 +405,12 @@ def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Polic
     return policy
 
 
-def _read_text(p: Path) -> str:
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise PolicyError([PolicyIssue(str(p), 1, f"cannot read file: {exc.strerror}")]) from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise PolicyError([PolicyIssue(str(p), line, "file is not valid UTF-8")]) from None
-
-
 def _parse_faq(text: str, file: str) -> FaqFile:
-    conv = Converter(file, {})
-    root = _compose(text, file)
+    root = compose(text, file)
     if root is None:
         return FaqFile()
-    faq = conv.dataclass(root, FaqFile, "")
+    conv = Converter(file, {}, _budget(root))
+    faq = _convert(conv, root, FaqFile)
     if conv.issues:
         raise PolicyError(sorted(conv.issues, key=lambda i: i.line))
     return faq

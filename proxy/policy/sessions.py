@@ -48,7 +48,12 @@ class TrimPolicy:
 @dataclass(frozen=True, slots=True)
 class SessionsPolicy:
     store: str = knob("memory://", "`memory://` or `redis://host:port/db`.", secret="userinfo")
-    ttl_s: int = knob(86400, "Session lifetime, refreshed on use.", ge=1)
+    ttl_s: int = knob(
+        86400,
+        "Session lifetime, refreshed on use (at most 10 years: Redis refuses larger expiries).",
+        ge=1,
+        le=10 * 365 * 86400,
+    )
     max_turns: int = knob(20, "Turns kept per session.", ge=1)
     key_prefix: str = knob("brownout:", "Prefix of every Redis key.")
     redis_timeout_s: float = knob(

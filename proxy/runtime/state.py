@@ -287,10 +287,19 @@ class ProxyState:
         return self.last_reload
 
     async def _drain(self, old: Runtime) -> None:
-        deadline = time.monotonic() + _DRAIN_LIMIT_S
+        now = time.monotonic()
+        deadline = now + _DRAIN_LIMIT_S
+        # A request takes its generation when its headers arrive but counts
+        # itself in flight only once its body is read: one that was still
+        # sending its body at the swap is not in `inflight` yet, and closing
+        # its backends under it answered it with a plain-text 500. Keep the
+        # generation for as long as a body may take (it then counts, or 408s).
+        settled = now + old.policy.server.body_timeout_s + 0.5
         # A poll, not an event: in-flight counts change on the hot path, which
         # should not pay for waking a drainer.
-        while old.inflight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+        while (old.inflight > 0 or time.monotonic() < settled) and (  # noqa: ASYNC110
+            time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.2)
         self.live.remove(old)
         await self._close_unused(old, keep=self.live)

@@ -8,6 +8,7 @@ Text is stored losslessly: a lone surrogate is written as its WTF-8 bytes
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import time
@@ -29,6 +30,28 @@ __all__ = ["RedisSessionStore", "encode_json"]
 log = logging.getLogger("proxy.sessions.store")
 
 Clock = Callable[[], float]
+
+
+def _wtf8_or_replace(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """Decoding error handler for what Redis holds: a WTF-8 surrogate (what
+    `encode_json` writes) is read back as that code point, like
+    `surrogatepass`; any other invalid byte (written by something else)
+    becomes U+FFFD. Without the fallback one such byte failed the reply of
+    every script batched with it, and marked the store down."""
+    if isinstance(exc, UnicodeEncodeError):  # redis-py encodes str arguments with it too
+        return exc.object[exc.start : exc.end].encode("utf-8", "surrogatepass"), exc.end
+    if not isinstance(exc, UnicodeDecodeError):
+        raise exc
+    b, i = exc.object, exc.start
+    if i + 2 < len(b) and b[i] == 0xED and 0xA0 <= b[i + 1] <= 0xBF and 0x80 <= b[i + 2] <= 0xBF:
+        return chr(0xD000 | ((b[i + 1] & 0x3F) << 6) | (b[i + 2] & 0x3F)), i + 3
+    return "\ufffd", i + 1
+
+
+# A codec error handler is looked up by name; registering the same function
+# again is harmless.
+DECODE_ERRORS = "brownout.wtf8"
+codecs.register_error(DECODE_ERRORS, _wtf8_or_replace)
 
 
 def encode_json(obj: Any) -> bytes:
@@ -162,7 +185,7 @@ class RedisSessionStore:
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
             # Reads back the WTF-8 that `encode_json` writes for lone surrogates.
-            encoding_errors="surrogatepass",
+            encoding_errors=DECODE_ERRORS,
         )
         client = aioredis.Redis.from_pool(pool)  # the client owns and closes the pool
         return cls(client, ttl_s=ttl_s, max_turns=max_turns, timeout_s=timeout_s, clock=clock)

@@ -69,7 +69,15 @@ class PendingSaves:
         """Save now, or queue it. True when it is in the store already. Never raises."""
         if self._q:
             self.add(key, turn)
-            await self.flush(store)
+            if self._lock.locked():
+                # A flush is running: it goes on until the queue is empty (this
+                # turn included) or the store fails. Wait for it rather than
+                # try the store again after it: N answers finishing while
+                # Redis hangs would otherwise wait N timeouts in a row.
+                async with self._lock:
+                    pass
+            else:
+                await self.flush(store)
             return False
         try:
             await store.append(key, [turn])

@@ -95,7 +95,9 @@ def session_key(prefix: str, session_id: str, api_key: str | None) -> str:
     if api_key is None or api_key == "":
         scope = "anon"
     else:
-        scope = hashlib.sha256(api_key.encode()).hexdigest()[:32]
+        # The key's bytes as sent: a header with non-UTF-8 bytes arrives with
+        # them escaped as lone surrogates (aiohttp's surrogateescape).
+        scope = hashlib.sha256(api_key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return f"{prefix}session:{scope}:{session_id}"
 
 

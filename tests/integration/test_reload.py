@@ -32,6 +32,7 @@ def write_policy(path: Path, upstream: str, notice: str = "Back soon.", extra: s
         f"""server:
   admin_token: s3cret
   heartbeat_s: 0.3
+  body_timeout_s: 0.5
 backends:
   primary:
     url: {upstream}

@@ -48,7 +48,9 @@ def test_env_interpolation() -> None:
     assert p.server.admin_token == "s3cret"
     assert p.server.port == 9000
     assert p.backends.primary.url == "http://vllm:8000"
-    assert errors(text, {"HOST": "x"}) == ["p.yaml:2: environment variable TOK is not set"]
+    assert errors(text, {"HOST": "x"}) == [
+        "p.yaml:2: server.admin_token: environment variable TOK is not set"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import pytest
@@ -115,3 +116,40 @@ async def test_saving_never_raises_and_a_failed_direct_save_is_bounded_too() -> 
     assert len(q) == 0
     assert store.saved == [("s", "next1"), ("s", "next2")]
     assert await q.save(store, "s", Turn("next3", "a"))  # type: ignore[arg-type]
+
+
+class HungStore:
+    """A store that hangs until released, then fails (a Redis that stopped
+    answering: each attempt costs the caller a full redis_timeout_s)."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.release = asyncio.Event()
+
+    async def append(
+        self, key: str, new_turns: Sequence[Turn], max_turns: int | None = None,
+        ttl_s: int | None = None,
+    ) -> int:  # fmt: skip
+        self.attempts += 1
+        await self.release.wait()
+        raise SessionStoreUnavailable("timed out")
+
+
+async def test_concurrent_saves_behind_a_waiting_queue_share_one_flush() -> None:
+    # Used to: each save, with turns waiting, ran its own flush under the
+    # lock, so N answers finishing while Redis hung waited N × the Redis
+    # timeout, one after the other (the last non-stream answer ~N × 0.25 s late).
+    store = HungStore()
+    q = PendingSaves(limit=100)
+    q.add("s", Turn("waiting", "a"))
+    saves = [
+        asyncio.ensure_future(q.save(store, "s", Turn(f"q{i}", "a")))  # type: ignore[arg-type]
+        for i in range(20)
+    ]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert store.attempts == 1  # the first save's flush is trying the head turn
+    store.release.set()
+    assert await asyncio.gather(*saves) == [False] * 20
+    assert store.attempts == 1  # one timeout in all, not 20 in a row
+    assert len(q) == 21  # nothing lost, in order
