@@ -144,8 +144,9 @@ class Metrics:
         )
         self.retries = Counter(
             "brownout_retries",
-            "Requests retried on another backend before their first byte.",
-            ["from", "to"],
+            "Attempts after a failure before the first byte: the same backend again "
+            "(from = to, within its retry budget) or the next one, by reason.",
+            ["from", "to", "reason"],
             registry=r,
         )
         self.rescues = Counter(

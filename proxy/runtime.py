@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import time
 import uuid
@@ -45,6 +46,8 @@ class Runtime:
     policy: Policy
     metrics: Metrics
     clock: Callable[[], float] = time.monotonic
+    # Jitter of retry backoffs (injectable: tests make it deterministic).
+    rand: Callable[[], float] = random.random
     upstreams: dict[str, Upstream] = field(default_factory=dict)
     backend_metrics: dict[str, BackendMetrics] = field(default_factory=dict)
     inflight: int = 0

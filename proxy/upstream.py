@@ -18,28 +18,11 @@ import structlog
 from yarl import URL
 
 from proxy.breaker import BackendBreaker
+from proxy.openai.capabilities import PLAIN, Capabilities, from_model_card
 from proxy.policy import BackendPolicy, BreakerPolicy
+from proxy.retrybudget import RetryBudget
 
 log = structlog.get_logger("brownout.upstream")
-
-# Parameters the Transformers fallback server does not implement; removed
-# from requests sent to a `transformers` backend unless the policy lists its own.
-TRANSFORMERS_DROP = (
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "logprobs",
-    "top_logprobs",
-    "response_format",
-    "logit_bias",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
 
 
 @dataclass
@@ -66,6 +49,11 @@ class Upstream:
     served_model: str | None = None
     max_model_len: int | None = None
     probe_task: asyncio.Task[None] | None = None
+    # What it honours of a request (None: the whole OpenAI API, nothing checked):
+    # read from /v1/models at discovery; a transformers fallback that
+    # advertises nothing is taken to honour plain chat only.
+    caps: Capabilities | None = None
+    retry_budget: RetryBudget = field(default_factory=RetryBudget)
 
     def __post_init__(self) -> None:
         base = URL(self.policy.url.rstrip("/"))
@@ -84,10 +72,10 @@ class Upstream:
             self.supports_continuation = p.supports_continuation
         else:
             self.supports_continuation = p.kind in ("vllm", "transformers")
-        if p.drop_params:
-            self.drop_params: tuple[str, ...] = p.drop_params
-        else:
-            self.drop_params = TRANSFORMERS_DROP if p.kind == "transformers" else ()
+        # Only what the operator lists: a field the backend does not honour is
+        # refused or dropped by name (ladder.failover.unsupported_fields).
+        self.drop_params: tuple[str, ...] = p.drop_params
+        self.caps = PLAIN if p.kind == "transformers" else None
 
     def url_for(self, path_qs: str) -> URL:
         return URL(str(self.base) + path_qs, encoded=True)
@@ -131,7 +119,10 @@ class Upstream:
         h.consecutive_failures = 0 if err is None else h.consecutive_failures + 1
         if was is not h.healthy:
             log.info("backend_health_changed", backend=self.name, healthy=h.healthy, error=err)
-        if h.healthy and (self.served_model is None or self.max_model_len is None):
+        if h.healthy and (
+            was is not True or self.served_model is None or self.max_model_len is None
+        ):
+            # First contact and every recovery: the backend may have been replaced.
             await self.discover()
         return h.healthy
 
@@ -150,6 +141,8 @@ class Upstream:
             return
         if self.served_model is None and isinstance(first.get("id"), str):
             self.served_model = first["id"]
+        if isinstance(first, dict):
+            self.learn_capabilities(first)
         if self.max_model_len is None and isinstance(first.get("max_model_len"), int):
             self.max_model_len = first["max_model_len"]
             log.info(
@@ -158,6 +151,22 @@ class Upstream:
                 model=self.served_model,
                 max_model_len=self.max_model_len,
             )
+
+    def learn_capabilities(self, card: dict[str, object]) -> None:
+        """The model card's advertised capabilities (kept as they were when it has none)."""
+        caps = from_model_card(card)
+        if caps is None:
+            return
+        self.caps = caps
+        if self.policy.supports_continuation is None and caps.continuation is not None:
+            self.supports_continuation = caps.continuation
+        log.info(
+            "backend_capabilities",
+            backend=self.name,
+            tools="tools" in caps.chat,
+            response_format=sorted(caps.response_format),
+            continuation=self.supports_continuation,
+        )
 
     async def recovery_probe(self) -> str | None:
         """/health plus a 1-token completion: None when both work, else why not."""
