@@ -179,11 +179,11 @@ def stream_attempt(
         assert response is not None
         if result.status in RETRYABLE_STATUS:
             body = response.body if isinstance(response.body, bytes) else b""
+            # An error event instead of the answer is transient; a stream that
+            # opened and never sent its first token (closed, silent) is not.
             retry = ""
             if outcome == "upstream_error" and result.status in TRANSIENT_STATUS:
-                retry = f"http_{result.status}"  # an error event instead of the answer
-            elif outcome == "upstream_disconnect":
-                retry = "reset"
+                retry = f"http_{result.status}"
             return base._replace(
                 kind="failed",
                 status=result.status,
