@@ -126,7 +126,9 @@ async def run_attempts(
                 pol,
                 retries=retries,
                 remaining_s=remaining,
-                larger_window_next=_larger_window(up, candidates[i + 1 :]),
+                larger_window_next=(
+                    result.kind == "refused" and _larger_window(up, candidates[i + 1 :])
+                ),
                 rand=rt.rand,
             )
             if d.step == "return":

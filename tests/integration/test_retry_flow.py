@@ -415,3 +415,40 @@ async def test_advertised_capabilities_are_honoured(
         err = (await r.json())["error"]
         assert err["param"] == "messages[].content[type=image_url]"
     assert len(chat_calls(fallback_upstream)) == 1
+
+
+async def test_capabilities_are_read_again_when_the_fallback_recovers(
+    fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A fallback replaced while it was down (now serving tools) is re-read."""
+    from proxy.fallback.fields import advertise
+    from proxy.fallback.interface import Capabilities
+
+    state = {"health": 200, "caps": False}
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=state["health"])
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        card: dict[str, Any] = {"id": "tiny", "object": "model", "max_model_len": 4096}
+        if state["caps"]:
+            full = Capabilities("batched", True, True, 5, True, True, True)
+            card["capabilities"] = advertise(full, grammar=True)
+        return web.json_response({"object": "list", "data": [card]})
+
+    fallback_upstream.handlers["/health"] = health
+    fallback_upstream.handlers["/v1/models"] = models
+    fallback_upstream.handlers[CHAT] = lambda r: answer(r, "fallback")
+    proxy = await start_proxy(failover_policy(fallback_upstream.url))
+    fb = proxy.app[STATE].current.upstreams["fallback"]
+    await wait_until(lambda: fb.health.healthy is True)
+    async with proxy.session.post(proxy.url + CHAT, json=TOOL_BODY) as r:
+        assert r.status == 503  # plain chat only: nothing advertised
+    state["health"] = 503
+    await wait_until(lambda: fb.health.healthy is False)
+    state.update(health=200, caps=True)
+    await wait_until(lambda: fb.caps is not None and "tools" in fb.caps.chat)
+    async with proxy.session.post(proxy.url + CHAT, json=TOOL_BODY) as r:
+        assert r.status == 200
+        await r.read()
+    assert chat_calls(fallback_upstream) == [TOOL_BODY]
