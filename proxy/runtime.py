@@ -27,6 +27,7 @@ from proxy.guard import Guard
 from proxy.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.maintenance import Maintenance
 from proxy.metrics import BackendMetrics, Metrics
+from proxy.openai.capabilities import PLAIN
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
 from proxy.pressure import PressureMonitor, next_limit
 from proxy.saves import PendingSaves
@@ -328,6 +329,12 @@ class Runtime:
                 "breaker_detail": up.breaker.snapshot(),
                 "model": up.policy.model or up.served_model,
                 "max_model_len": up.max_model_len,
+                # What failover may send it (issue 14): learnt at discovery / rescue.
+                "supports_continuation": up.supports_continuation,
+                "capabilities": (
+                    "openai" if up.caps is None else "plain" if up.caps is PLAIN else "advertised"
+                ),
+                "retries_in_window": up.retry_budget.retries,
             }
         lad = self.ladder.snapshot()
         lad["since"] = self.wall(float(lad["since"]))  # type: ignore[arg-type]
