@@ -202,8 +202,12 @@ async def test_a_silent_primary_is_never_retried(
     assert total(m, "brownout_retries_total", reason="first_byte_timeout") == 1
 
 
+@pytest.mark.parametrize("budget", [True, False], ids=["default-budget", "unbounded"])
 async def test_the_retry_budget_bounds_retries_in_a_burst(
-    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+    fake_upstream: FakeUpstream,
+    fallback_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    budget: bool,
 ) -> None:
     """A primary failing half the requests once each: retries stay within
     ratio × requests + floor; the rest fail over (issue 14's burst figure)."""
@@ -217,7 +221,12 @@ async def test_the_retry_budget_bounds_retries_in_a_burst(
     pol = policy(
         fake_upstream.url,
         fallback_upstream.url,
-        extra={"ladder": {"breaker": {"fail_max": 1000, "failure_rate": 0}}},
+        extra={
+            "ladder": {
+                "breaker": {"fail_max": 1000, "failure_rate": 0},
+                "failover": {} if budget else {"retry_budget_ratio": 1, "retry_budget_min": n},
+            }
+        },
     )
     proxy = await start_proxy(pol)
 
@@ -233,12 +242,16 @@ async def test_the_retry_budget_bounds_retries_in_a_burst(
     retried = total(m, "brownout_retries_total", **{"from": "primary", "to": "primary"})
     failed_over = total(m, "brownout_retries_total", to="fallback")
     fp = pol.ladder.failover
-    assert 0 < retried <= fp.retry_budget_ratio * n + fp.retry_budget_min
+    if budget:
+        assert 0 < retried <= fp.retry_budget_ratio * n + fp.retry_budget_min
+    else:
+        assert retried == n // 2  # every failing request retried: 1.5× the load
     assert retried + failed_over == n // 2
     assert backends.count("fallback") == failed_over
     assert seen[0] == n + retried  # the primary's load: one attempt each, plus the retries
     print(
-        f"\nburst of {n}, 50 % failing once: {retried:.0f} retried on the primary, "
+        f"\nburst of {n} ({'default budget' if budget else 'no budget'}), 50 % failing "
+        f"once: {retried:.0f} retried on the primary, "
         f"{failed_over:.0f} failed over; primary answered {backends.count('primary')}/{n}; "
         f"primary load {seen[0] / n:.2f}× requests"
     )
