@@ -57,6 +57,33 @@ _PLAIN_COMPLETIONS = _BOOKKEEPING | {
 }
 
 
+# Values that ask for nothing (clients such as LangChain send them by default):
+# a backend honours them whether it knows the field or not.
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "n": (1,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "stop": ([],),
+    "tools": ([],),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+}
+
+
+def _neutral(name: str, value: object, body: Mapping[str, Any]) -> bool:
+    if name in ("tool_choice", "parallel_tool_calls") and not body.get("tools"):
+        return name == "parallel_tool_calls" or value in ("none", "auto")
+    return any(
+        value == ok and isinstance(value, bool) is isinstance(ok, bool)
+        for ok in _NEUTRAL.get(name, ())
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What one backend honours (frozen: shared by every request)."""
@@ -73,7 +100,11 @@ class Capabilities:
     def unsupported(self, body: Mapping[str, Any], chat: bool) -> list[str]:
         """The request's fields this backend would not honour ([] in the common case)."""
         known = self.chat if chat else self.completions
-        out = [k for k, v in body.items() if v is not None and k not in known]
+        out = [
+            k
+            for k, v in body.items()
+            if v is not None and k not in known and not _neutral(k, v, body)
+        ]
         n = body.get("n")
         if isinstance(n, int) and n > self.max_n:
             out.append("n")

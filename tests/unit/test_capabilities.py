@@ -99,3 +99,28 @@ def test_the_fallback_servers_advertisement_is_read() -> None:
         "response_format",
     }
     assert from_model_card({"id": "x"}) is None
+
+
+def test_neutral_values_ask_for_nothing() -> None:
+    """Clients that send every default (n: 1, penalties 0, ...) are not refused."""
+    body = {
+        "model": "m",
+        "messages": MSG,
+        "n": 1,
+        "logprobs": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "stop": [],
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "response_format": {"type": "text"},
+    }
+    assert PLAIN.unsupported(body, chat=True) == []
+    assert PLAIN.unsupported({**body, "n": 2, "logprobs": True}, chat=True) == ["n", "logprobs"]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert PLAIN.unsupported({**body, "tools": tools}, chat=True) == [
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    ]
