@@ -149,6 +149,13 @@ class Metrics:
             ["from", "to", "reason"],
             registry=r,
         )
+        self.retry_budget_exhausted = Counter(
+            "brownout_retry_budget_exhausted",
+            "Transient failures not retried on the same backend because its retry "
+            "budget was spent (they failed over instead).",
+            ["backend"],
+            registry=r,
+        )
         self.rescues = Counter(
             "brownout_stream_rescues",
             "Streams that died mid-answer, by outcome (rescued on the fallback, or failed).",

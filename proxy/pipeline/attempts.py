@@ -134,13 +134,15 @@ async def run_attempts(
             if d.step == "return":
                 return result
             why = d.reason
-            if d.step == "retry" and budget.take(
-                loop.time(), pol.retry_budget_window_s, pol.retry_budget_ratio, pol.retry_budget_min
-            ):
-                retries += 1
-                inbox.retry(up, up, d.reason)
-                await asyncio.sleep(d.delay)
-                continue
+            if d.step == "retry":
+                now = loop.time()
+                w = pol.retry_budget_window_s
+                if budget.take(now, w, pol.retry_budget_ratio, pol.retry_budget_min):
+                    retries += 1
+                    inbox.retry(up, up, d.reason)
+                    await asyncio.sleep(d.delay)
+                    continue
+                inbox.budget_exhausted(up, d.reason)
             if result.kind == "refused":
                 refusal = result
             else:

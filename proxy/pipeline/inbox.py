@@ -75,6 +75,10 @@ class Inbox:
             reason=reason,
         )
 
+    def budget_exhausted(self, up: Upstream, reason: str) -> None:
+        self.rt.metrics.retry_budget_exhausted.labels(up.name).inc()
+        log.info("retry_budget_exhausted", request_id=self.rid, backend=up.name, reason=reason)
+
     def shed(self, priority: str, reason: str) -> None:
         self.rt.metrics.shed.labels(priority, reason).inc()
 

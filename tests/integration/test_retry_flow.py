@@ -249,6 +249,8 @@ async def test_the_retry_budget_bounds_retries_in_a_burst(
     assert retried + failed_over == n // 2
     assert backends.count("fallback") == failed_over
     assert seen[0] == n + retried  # the primary's load: one attempt each, plus the retries
+    exhausted = total(m, "brownout_retry_budget_exhausted_total", backend="primary")
+    assert exhausted == failed_over
     print(
         f"\nburst of {n} ({'default budget' if budget else 'no budget'}), 50 % failing "
         f"once: {retried:.0f} retried on the primary, "
