@@ -103,12 +103,13 @@ async def run_attempts(
     for i, up in enumerate(candidates):
         retries = 0
         budget = up.retry_budget
-        budget.request(loop.time(), pol.retry_budget_window_s)
         started = loop.time()
         while True:
             permit = up.breaker.allow()
             if permit is None:
                 break
+            if not retries:
+                budget.request(started, pol.retry_budget_window_s)  # retries are not requests
             if prev is not None and prev is not up:
                 inbox.retry(prev, up, why)
             prev = up
