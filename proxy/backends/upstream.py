@@ -26,28 +26,11 @@ import structlog
 from yarl import URL
 
 from proxy.control.breaker import BackendBreaker, Permit
+from proxy.control.retrybudget import RetryBudget
+from proxy.openai.capabilities import PLAIN, Capabilities, from_model_card
 from proxy.policy import BackendPolicy, BreakerPolicy
 
 log = structlog.get_logger("brownout.upstream")
-
-# Parameters the Transformers fallback server does not implement; removed
-# from requests sent to a `transformers` backend unless the policy lists its own.
-TRANSFORMERS_DROP = (
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "logprobs",
-    "top_logprobs",
-    "response_format",
-    "logit_bias",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
 
 
 # Answers to the recovery probe that blame the probe request, not the backend.
@@ -98,6 +81,11 @@ class Upstream:
     on_model_breaker_change: ModelBreakerChange | None = None
     # Set when the recovery probe was refused as a request: real ones are the trial.
     probe_misconfigured: str | None = None
+    # What it honours of a request (None: the whole OpenAI API, nothing checked):
+    # read from /v1/models at discovery; a transformers fallback that
+    # advertises nothing is taken to honour plain chat only.
+    caps: Capabilities | None = None
+    retry_budget: RetryBudget = field(default_factory=RetryBudget)
 
     def __post_init__(self) -> None:
         base = URL(self.policy.url.rstrip("/"))
@@ -116,10 +104,10 @@ class Upstream:
             self.supports_continuation = p.supports_continuation
         else:
             self.supports_continuation = p.kind in ("vllm", "transformers")
-        if p.drop_params:
-            self.drop_params: tuple[str, ...] = p.drop_params
-        else:
-            self.drop_params = TRANSFORMERS_DROP if p.kind == "transformers" else ()
+        # Only what the operator lists: a field the backend does not honour is
+        # refused or dropped by name (ladder.failover.unsupported_fields).
+        self.drop_params: tuple[str, ...] = p.drop_params
+        self.caps = PLAIN if p.kind == "transformers" else None
 
     # -- breakers --------------------------------------------------------------
 
@@ -231,8 +219,12 @@ class Upstream:
         if was is not h.healthy:
             log.info("backend_health_changed", backend=self.name, healthy=h.healthy, error=err)
         if h.healthy and (
-            self.served_model is None or self.max_model_len is None or not self.served_models
+            was is not True
+            or self.served_model is None
+            or self.max_model_len is None
+            or not self.served_models
         ):
+            # First contact and every recovery: the backend may have been replaced.
             await self.discover()
         return h.healthy
 
@@ -253,6 +245,8 @@ class Upstream:
         self.served_models = tuple(dict.fromkeys(ids))[:MAX_MODEL_BREAKERS]
         if self.served_model is None and isinstance(first.get("id"), str):
             self.served_model = first["id"]
+        if isinstance(first, dict):
+            self.learn_capabilities(first)
         if self.max_model_len is None and isinstance(first.get("max_model_len"), int):
             self.max_model_len = first["max_model_len"]
             log.info(
@@ -261,6 +255,22 @@ class Upstream:
                 model=self.served_model,
                 max_model_len=self.max_model_len,
             )
+
+    def learn_capabilities(self, card: dict[str, object]) -> None:
+        """The model card's advertised capabilities (kept as they were when it has none)."""
+        caps = from_model_card(card)
+        if caps is None:
+            return
+        self.caps = caps
+        if self.policy.supports_continuation is None and caps.continuation is not None:
+            self.supports_continuation = caps.continuation
+        log.info(
+            "backend_capabilities",
+            backend=self.name,
+            tools="tools" in caps.chat,
+            response_format=sorted(caps.response_format),
+            continuation=self.supports_continuation,
+        )
 
     def probe_request(self, model: str | None = None) -> dict[str, Any]:
         """The recovery probe's JSON body (`backends.<name>.probe`)."""

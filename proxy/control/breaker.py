@@ -64,7 +64,7 @@ class BackendBreaker:
         on_change: Callable[[str, State, State, str], None] | None = None,
     ) -> None:
         self.name = name
-        self.model: str | None = None  # set for a per-model breaker (proxy.upstream)
+        self.model: str | None = None  # set for a per-model breaker (proxy.backends.upstream)
         self.policy = policy
         self.clock = clock
         self.on_change = on_change

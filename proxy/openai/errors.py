@@ -65,3 +65,9 @@ def upstream_error_body(status: int, body: bytes) -> bytes:
         pass
     text = body[:200].decode("utf-8", "replace").strip() or f"HTTP {status}"
     return error_body(f"backend error: {text}", "server_error", status)
+
+
+def is_context_error(body: bytes) -> bool:
+    """A backend's 400 saying the request does not fit its context window
+    (OpenAI's code, vLLM's and the fallback server's wording)."""
+    return b"context_length_exceeded" in body or b"maximum context length" in body

@@ -124,3 +124,26 @@ def continuation_body(
         if isinstance(prompt, str):
             out["prompt"] = prompt + partial
     return out
+
+
+#: The instruction of a prompt-level continuation (a fallback without prefill).
+CONTINUE_INSTRUCTION = (
+    "Your previous answer was cut off. Continue it exactly where it stopped, "
+    "from the next character: do not repeat anything, do not start over, "
+    "do not comment."
+)
+
+
+def prompt_continuation_body(body: dict[str, Any], partial: str, produced: int) -> dict[str, Any]:
+    """A chat continuation without a prefill: the partial answer as the
+    previous assistant turn, then a user turn asking to continue it."""
+    out = continuation_body(body, "", produced, "chat")
+    out.pop("continue_final_message", None)
+    out.pop("add_generation_prompt", None)
+    if partial:
+        out["messages"] = [
+            *body["messages"],
+            {"role": "assistant", "content": partial},
+            {"role": "user", "content": CONTINUE_INSTRUCTION},
+        ]
+    return out

@@ -1,6 +1,7 @@
 """The adapt step: the request body as one backend should get it.
 
-Model name, parameters the backend lacks removed, `max_tokens` within its
+Model name, parameters the policy drops removed, fields the backend does not
+honour refused (or dropped by name, policy `drop`), `max_tokens` within its
 window, messages trimmed to its window. Runs inside the attempt's deadline
 (trimming may call the backend's `/tokenize`). Raises `RequestRejected` when
 the request cannot fit any way (400 `context_length_exceeded`).
@@ -14,6 +15,7 @@ from typing import Any
 
 from proxy.backends.upstream import Upstream
 from proxy.errors import RequestRejected
+from proxy.openai.capabilities import without
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import RequestRecord
 from proxy.sessions.conversation import surely_fits
@@ -38,6 +40,15 @@ async def adapted(
         out = dict(out or body)
         for k in drop:
             del out[k]
+        rec.dropped[up.name] = drop
+    caps = up.caps
+    if caps is not None:
+        missing = caps.unsupported(out or body, rec.chat)
+        if missing:
+            if rec.rt.policy.ladder.failover.unsupported_fields != "drop":
+                raise unsupported_fields(up, missing)
+            out = without(out or body, missing, caps.content_parts)
+            rec.dropped[up.name] = [*drop, *missing]
     window = up.max_model_len
     if window:
         for key in ("max_tokens", "max_completion_tokens"):
@@ -53,6 +64,20 @@ async def adapted(
     result = out if out is not None else body
     rec.adapted[up.name] = result
     return result
+
+
+def unsupported_fields(up: Upstream, fields: list[str]) -> RequestRejected:
+    """The explicit error for a request this backend would not fully honour
+    (503: the request is valid, this backend cannot serve it as asked)."""
+    names = ", ".join(fields)
+    return RequestRejected(
+        503,
+        f"the {up.name} backend does not support {names}; the request was not sent "
+        "rather than answered without them",
+        "unsupported_fields",
+        fields[0],
+        type_="server_error",
+    )
 
 
 async def payload_for(rec: RequestRecord, up: Upstream, inbox: Inbox, deadline: float) -> bytes:

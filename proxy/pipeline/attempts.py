@@ -3,17 +3,20 @@
 One attempt on one backend is admission (the primary, when throttling) →
 adapt → backend call → relay with the guard; a stream that dies mid-answer
 then goes to the rescue step. Each attempt's result goes to the inbox once;
-whether to try again is decided in one place, `next_step` (where the
-retry discipline of issue 14 — same-backend retries within a budget, never
-after a timeout, 4xx semantics — is meant to go; the loop only acts on it).
+whether to try again — the same backend within its retry budget, the next
+candidate, or not at all — is decided in one place, `next_step`; the loop
+only acts on it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import asyncio
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 from proxy.backends.upstream import Upstream
 from proxy.control.admission import Rejected
+from proxy.control.retrybudget import backoff
 from proxy.errors import RequestRejected
 from proxy.pipeline.adapt import payload_for
 from proxy.pipeline.answers import shed
@@ -23,45 +26,138 @@ from proxy.pipeline.passthrough import relay_passthrough
 from proxy.pipeline.record import AttemptResult, RequestRecord
 from proxy.pipeline.relay import relay_body, relay_events
 from proxy.pipeline.rescue import can_rescue, rescue_or_end
+from proxy.policy.ladder import FailoverPolicy
 
-Step = Literal["return", "next"]
+Step = Literal["return", "retry", "next"]
 
 
-def next_step(result: AttemptResult) -> Step:
-    """The retry rule. A failure before any byte reached the client (refused
-    connection, 5xx, 429, timeout, an error event first, a stream closed
-    before its first event) moves on to the next candidate; anything the
-    client has seen or must see (an answer, a 4xx, a shed, a mid-answer
-    failure, a client that left) ends the attempts."""
-    return "next" if result.kind == "failed" else "return"
+class Decision(NamedTuple):
+    step: Step
+    reason: str = ""  # why not "return": the retries metric's `reason`
+    delay: float = 0.0  # "retry": wait this long first
+
+
+def next_step(
+    result: AttemptResult,
+    pol: FailoverPolicy,
+    *,
+    retries: int,
+    remaining_s: float,
+    larger_window_next: bool,
+    rand: Callable[[], float],
+) -> Decision:
+    """The retry rule, in one place (no I/O; the loop acts on it).
+
+    - An answer, a client-fault 4xx (content policy, bad parameters), a shed,
+      a mid-answer failure, a client that left: "return".
+    - A transient failure before the first byte (`result.retry`: a 5xx, a
+      connection reset, a 429): "retry" on the same backend, up to
+      `retry_max` times, after a jittered backoff — or the backend's
+      `Retry-After` when it is short and fits the `remaining_s` of the
+      request's first-byte deadline (the loop also spends the backend's retry
+      budget); else "next".
+    - Any other failure before the first byte (a timeout, a stream that never
+      sent its first token, a refused connection): "next" at once.
+    - Too long for this backend's context window: "next" when a later
+      candidate has a larger one, else "return" (the 400) — never the same
+      request to the same backend again.
+    - Fields this backend does not honour: "next" (the error naming them is
+      the answer if no other backend takes the request).
+    """
+    kind = result.kind
+    if kind == "refused":
+        if result.code == "unsupported_fields":
+            return Decision("next", "unsupported_fields")
+        if result.code == "context_length_exceeded" and larger_window_next:
+            return Decision("next", "context_length")
+        return Decision("return")
+    if kind != "failed":
+        return Decision("return")
+    reason = result.retry or result.fault or f"http_{result.status}"
+    if not result.retry or retries >= pol.retry_max:
+        return Decision("next", reason)
+    after = result.retry_after
+    if after is not None:
+        if after > pol.retry_after_max_s or after >= remaining_s:
+            return Decision("next", reason)  # the backend asks for longer than we have
+        return Decision("retry", reason, after)
+    delay = backoff(retries + 1, pol.retry_backoff_s, pol.retry_backoff_max_s, rand)
+    if delay >= remaining_s:
+        return Decision("next", reason)
+    return Decision("retry", reason, delay)
 
 
 async def run_attempts(
     rec: RequestRecord, inbox: Inbox, candidates: list[Upstream], *, passthrough: bool = False
 ) -> AttemptResult | None:
-    """The request's result; the last failure when none answered; None when
-    no candidate's breaker let a request through."""
+    """The request's result; the last failure when none answered (an error
+    naming unsupported fields before a plain failure); None when no
+    candidate's breaker let a request through."""
+    rt = rec.rt
+    pol = rt.policy.ladder.failover
+    loop = rec.loop
     last: AttemptResult | None = None
+    refusal: AttemptResult | None = None
     prev: Upstream | None = None
-    for up in candidates:
-        permit = up.breaker_for(rec.model).allow()
-        if permit is None:
-            continue
-        if prev is not None:
-            inbox.retry(prev, up)
-        prev = up
-        rec.backend = up.name
-        try:
-            result = await attempt(rec, up, inbox, passthrough)
-            inbox.attempt(up, result, permit)
-            if result.kind == "ended" and result.stream is not None:
-                result = await rescue_or_end(rec, up, result, inbox)
-        finally:
-            inbox.settle(up, permit)
-        if next_step(result) == "return":
-            return result
-        last = result
-    return last
+    why = ""
+    for i, up in enumerate(candidates):
+        retries = 0
+        budget = up.retry_budget
+        started = loop.time()
+        while True:
+            permit = up.breaker_for(rec.model).allow()
+            if permit is None:
+                break
+            if not retries:
+                budget.request(started, pol.retry_budget_window_s)  # retries are not requests
+            if prev is not None and prev is not up:
+                inbox.retry(prev, up, why)
+            prev = up
+            rec.backend = up.name
+            try:
+                result = await attempt(rec, up, inbox, passthrough)
+                inbox.attempt(up, result, permit)
+                if result.kind == "ended" and result.stream is not None:
+                    result = await rescue_or_end(rec, up, result, inbox)
+            finally:
+                inbox.settle(up, permit)
+            remaining = started + up.policy.timeouts.first_byte_s - loop.time()
+            d = next_step(
+                result,
+                pol,
+                retries=retries,
+                remaining_s=remaining,
+                larger_window_next=(
+                    result.kind == "refused" and _larger_window(up, candidates[i + 1 :])
+                ),
+                rand=rt.rand,
+            )
+            if d.step == "return":
+                return result
+            why = d.reason
+            if d.step == "retry":
+                now = loop.time()
+                w = pol.retry_budget_window_s
+                if budget.take(now, w, pol.retry_budget_ratio, pol.retry_budget_min):
+                    retries += 1
+                    inbox.retry(up, up, d.reason)
+                    await asyncio.sleep(d.delay)
+                    continue
+                inbox.budget_exhausted(up, d.reason)
+            if result.kind == "refused":
+                refusal = result
+            else:
+                last = result
+            break
+    return refusal or last
+
+
+def _larger_window(up: Upstream, rest: list[Upstream]) -> bool:
+    """Whether a later candidate's context window is known to be larger than `up`'s."""
+    mine = up.max_model_len
+    return any(
+        o.max_model_len is not None and (mine is None or o.max_model_len > mine) for o in rest
+    )
 
 
 async def attempt(
@@ -107,13 +203,14 @@ async def _attempt(
                 "",
             )
         except RequestRejected as rej:
+            backend = up.name if rej.code == "unsupported_fields" else "none"
             return AttemptResult(
                 "refused",
-                "none",
+                backend,
                 rej.status,
                 "rejected",
                 detail=rej.message,
-                response=rej.response(rec.headers("none")),
+                response=rej.response(rec.headers(backend)),
                 code=rej.code,
             )
     t_call = rec.loop.time()

@@ -29,9 +29,16 @@ def upstream_headers(rec: RequestRecord, up: Upstream, *, entity: bool = True) -
 
 
 def failed(
-    up: Upstream, status: int, message: str, code: str, fault: str, detail: str = ""
+    up: Upstream,
+    status: int,
+    message: str,
+    code: str,
+    fault: str,
+    detail: str = "",
+    retry: str = "",
 ) -> AttemptResult:
-    """A failure before the first byte: the error to pass on if nothing else answers."""
+    """A failure before the first byte: the error to pass on if nothing else
+    answers (`retry`: transient, the same backend may be tried again)."""
     return AttemptResult(
         "failed",
         up.name,
@@ -40,6 +47,7 @@ def failed(
         detail=detail,
         fault=fault,
         body=error_body(message, "server_error", code),
+        retry=retry,
     )
 
 
@@ -76,8 +84,10 @@ async def call(
             "first_byte_timeout",
         )
     except aiohttp.ClientError as exc:
+        # A reset or a dropped keep-alive connection: transient, worth a retry.
         name = type(exc).__name__
-        return failed(up, 502, f"backend request failed: {name}", "upstream_error", "request", name)
+        message = f"backend request failed: {name}"
+        return failed(up, 502, message, "upstream_error", "request", name, retry="reset")
 
 
 def close(resp: aiohttp.ClientResponse) -> None:

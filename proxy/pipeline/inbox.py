@@ -64,9 +64,20 @@ class Inbox:
     def failure(self, up: Upstream, permit: Permit, kind: str, detail: str = "") -> None:
         self.rt.report_failure(up, kind, detail, permit=permit)
 
-    def retry(self, prev: Upstream, up: Upstream) -> None:
-        self.rt.metrics.retries.labels(prev.name, up.name).inc()
-        log.info("retry", request_id=self.rid, from_backend=prev.name, to_backend=up.name)
+    def retry(self, prev: Upstream, up: Upstream, reason: str) -> None:
+        """Another attempt: on the same backend (a retry within its budget) or the next."""
+        self.rt.metrics.retries.labels(prev.name, up.name, reason or "error").inc()
+        log.info(
+            "retry",
+            request_id=self.rid,
+            from_backend=prev.name,
+            to_backend=up.name,
+            reason=reason,
+        )
+
+    def budget_exhausted(self, up: Upstream, reason: str) -> None:
+        self.rt.metrics.retry_budget_exhausted.labels(up.name).inc()
+        log.info("retry_budget_exhausted", request_id=self.rid, backend=up.name, reason=reason)
 
     def shed(self, priority: str, reason: str) -> None:
         self.rt.metrics.shed.labels(priority, reason).inc()

@@ -59,6 +59,10 @@ class AttemptResult(NamedTuple):
     answer: str | None = None  # choice 0's finished text, for a session turn
     code: str = ""  # error code of a refused request (bad_requests metric)
     stream: StreamResult | None = None  # a stream that died mid-answer: for the rescue
+    # failed: a transient failure the same backend may get a retry for
+    # (http_500, http_429, reset, ...); "" = fail over at once (timeouts, ...).
+    retry: str = ""
+    retry_after: float | None = None  # the backend's Retry-After, seconds
 
 
 class Terminal(NamedTuple):
@@ -98,6 +102,8 @@ class RequestRecord:
     # one it rescues): their notes are reported once, at the finish.
     guards: list[tuple[str, StreamGuard]] = field(default_factory=list)
     adapted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Fields removed for a backend that does not honour them (policy `drop`).
+    dropped: dict[str, list[str]] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
 
     def headers(self, backend: str) -> dict[str, str]:
@@ -109,6 +115,10 @@ class RequestRecord:
         }
         if self.session is not None:
             h["X-Brownout-Session"] = self.session.status
+        if self.dropped:
+            dropped = self.dropped.get(backend)
+            if dropped:
+                h["X-Brownout-Dropped"] = ",".join(dropped)
         return h
 
     @property

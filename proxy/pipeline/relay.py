@@ -14,14 +14,17 @@ import aiohttp
 from aiohttp import web
 
 from proxy.backends.upstream import Upstream
+from proxy.control.retrybudget import retry_after_s
 from proxy.errors import JSON_CT, error_body
-from proxy.openai.errors import upstream_error_body
+from proxy.openai.errors import is_context_error, upstream_error_body
 from proxy.openai.partial import answer_from_body, streamed_answer
 from proxy.pipeline.call import failed
 from proxy.pipeline.pump import StreamResult, relay_stream
 from proxy.pipeline.record import AttemptResult, RequestRecord
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+# Worth a second try on the same backend (504 is a timeout: never retried there).
+TRANSIENT_STATUS = frozenset({429, 500, 502, 503})
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Headers of a pass-through answer that describe its body (hop-by-hop and
 # framing headers are aiohttp's business).
@@ -53,8 +56,25 @@ async def relay_body(
             "error",
             fault=_fault(status),
             body=upstream_error_body(status, body),
+            retry=f"http_{status}" if status in TRANSIENT_STATUS else "",
+            retry_after=retry_after_s(resp.headers.get("Retry-After")),
         )
     headers = rec.headers(up.name)
+    if status == 400 and is_context_error(body):
+        # The request is too long for this backend: never resent to it
+        # unchanged (the attempt loop may route it to a larger window).
+        headers["Content-Type"] = JSON_CT
+        return AttemptResult(
+            "refused",
+            up.name,
+            400,
+            "rejected",
+            detail="backend: context length exceeded",
+            response=web.Response(
+                status=400, body=upstream_error_body(status, body), headers=headers
+            ),
+            code="context_length_exceeded",
+        )
     guard = rec.rt.guard
     if status == 200 and guard is not None:
         trip = guard.check_body(body)
@@ -159,12 +179,18 @@ def stream_attempt(
         assert response is not None
         if result.status in RETRYABLE_STATUS:
             body = response.body if isinstance(response.body, bytes) else b""
+            # An error event instead of the answer is transient; a stream that
+            # opened and never sent its first token (closed, silent) is not.
+            retry = ""
+            if outcome == "upstream_error" and result.status in TRANSIENT_STATUS:
+                retry = f"http_{result.status}"
             return base._replace(
                 kind="failed",
                 status=result.status,
                 response=None,
                 fault=_fault(result.status) and outcome,
                 body=body,
+                retry=retry,
             )
         # The backend's own 4xx error event, before any answer: passed on as is.
         return base._replace(kind="answered", status=result.status, response=response, healthy=True)

@@ -2,9 +2,18 @@
 or ends with its error event and [DONE] — never a silent truncation.
 
 The partial answer (choice 0, extracted once from the kept regions) becomes
-the continuation request (`proxy.openai.partial`). Not rescued: guard trips
-(the output was the problem), `n > 1` (one continuation cannot carry several
-choices), pass-through paths, answers longer than `server.max_kept_bytes`.
+the continuation request (`proxy.openai.partial`): an assistant prefill
+(`continue_final_message`) where the fallback supports it; a prompt-level
+continuation (the partial answer as the previous assistant turn and an
+instruction to continue exactly where it stopped) where it does not — learnt
+from its advertised capabilities, its 400 to a prefill (never the client's
+error, never a backend failure), or `backends.<name>.supports_continuation`.
+The relay strips nothing at the seam: what the fallback writes is relayed.
+Not rescued: guard trips (the output was the problem), a stream that was
+emitting `tool_calls` (a text continuation would turn a tool call into
+prose), a fallback that would drop fields, `n > 1` (one continuation cannot
+carry several choices), pass-through paths, answers longer than
+`server.max_kept_bytes`.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from proxy.openai.partial import (
     choices_requested,
     continuation_body,
     partial_text,
+    prompt_continuation_body,
     streamed_answer,
 )
 from proxy.pipeline.adapt import adapted
@@ -43,7 +53,8 @@ def can_rescue(rec: RequestRecord, up: Upstream) -> bool:
         and rec.endpoint in ("chat", "completions")
         and fb is not None
         and fb is not up
-        and fb.supports_continuation
+        # Chat continues by prefill or, where the fallback lacks it, by prompt.
+        and (rec.chat or fb.supports_continuation)
         and choices_requested(rec.body) == 1
     )
 
@@ -56,7 +67,13 @@ async def rescue_or_end(
     sr = result.stream
     assert sr is not None
     fb = rec.rt.upstreams.get("fallback")
-    if result.trip is None and fb is not None and sr.regions is not None and can_rescue(rec, up):
+    if (
+        result.trip is None
+        and fb is not None
+        and sr.regions is not None
+        and can_rescue(rec, up)
+        and not _calls_tools(sr.regions)
+    ):
         permit = fb.breaker_for(rec.model).allow()
         if permit is None:
             inbox.rescue("fallback_unavailable")
@@ -69,6 +86,12 @@ async def rescue_or_end(
                 return rescued
     await end_with_error(sr)
     return result
+
+
+def _calls_tools(regions: list[bytes]) -> bool:
+    """A stream that was emitting `tool_calls`: never restarted as plain text
+    (the continuation carries text only). One search, on a failure only."""
+    return any(b'"tool_calls"' in r for r in regions)
 
 
 async def _rescue_on(
@@ -108,8 +131,29 @@ async def _rescue_on(
         log.warning("stream_rescue_impossible", request_id=rec.rid, reason=str(exc))
         inbox.rescue("failed")
         return None
-    body = continuation_body(fitted, partial, produced, kind)
+    if rec.dropped.get(fb.name):
+        # The client's headers are gone: dropping fields now would be silent.
+        log.warning("stream_rescue_impossible", request_id=rec.rid, reason="unsupported fields")
+        inbox.rescue("failed")
+        return None
+    prefill = rec.chat and bool(partial) and fb.supports_continuation
+    body = (
+        continuation_body(fitted, partial, produced, kind)
+        if prefill or not rec.chat
+        else prompt_continuation_body(fitted, partial, produced)
+    )
     resp = await call(rec, fb, url, json.dumps(body).encode(), deadline)
+    if prefill and not isinstance(resp, AttemptResult) and resp.status == 400:
+        # The fallback refuses the assistant prefill: learn it (not a backend
+        # failure, not the client's error) and continue by prompt instead.
+        with contextlib.suppress(aiohttp.ClientError):
+            await resp.read()
+        close(resp)
+        fb.supports_continuation = False
+        inbox.rescue("prefill_rejected")
+        log.warning("continuation_unsupported", request_id=rec.rid, backend=fb.name)
+        body = prompt_continuation_body(fitted, partial, produced)
+        resp = await call(rec, fb, url, json.dumps(body).encode(), deadline)
     if isinstance(resp, AttemptResult):
         inbox.failure(fb, permit, "rescue", resp.detail or resp.fault)
         inbox.rescue("failed")

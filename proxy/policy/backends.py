@@ -82,10 +82,13 @@ class BackendPolicy:
     supports_continuation: bool | None = knob(
         None,
         "Whether the backend continues a partial assistant message "
-        "(`continue_final_message`); unset = yes for vllm and transformers.",
+        "(`continue_final_message`); unset = as it advertises, else yes for vllm and "
+        "transformers, until it refuses a prefill. No: rescues continue by prompt.",
     )
     drop_params: tuple[str, ...] = knob(
-        (), "Request parameters removed before sending to this backend (it lacks them)."
+        (),
+        "Request parameters removed before sending to this backend; the answer names "
+        "them in `X-Brownout-Dropped`.",
     )
     timeouts: TimeoutPolicy = knob(TimeoutPolicy, "")
     pool: PoolPolicy = knob(PoolPolicy, "")

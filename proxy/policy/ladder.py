@@ -102,7 +102,48 @@ class FailoverPolicy:
     rescue_streams: bool = knob(
         True,
         "Continue a stream that dies mid-answer on the fallback (partial assistant "
-        "message + continue_final_message) instead of ending it with an error event.",
+        "message + continue_final_message; a prompt-level continuation where the "
+        "fallback rejects that) instead of ending it with an error event.",
+    )
+    retry_max: int = knob(
+        1,
+        "Retries of a transient failure before the first byte (one 5xx, a connection "
+        "reset, a 429) on the same backend, per request, before failing over "
+        "(0 = fail over at once). Never after a timeout or a missing first token.",
+        ge=0,
+        le=5,
+    )
+    retry_budget_ratio: float = knob(
+        0.2,
+        "Retry budget of each backend: same-backend retries per window may be at most "
+        "this share of its requests, plus `retry_budget_min`.",
+        ge=0,
+        le=1,
+        unit="ratio",
+    )
+    retry_budget_min: int = knob(
+        3, "Retries per window each backend may always have, whatever its traffic.", ge=0
+    )
+    retry_budget_window_s: float = knob(
+        10.0, "Window over which the retry budget counts requests and retries.", gt=0
+    )
+    retry_backoff_s: float = knob(
+        0.05,
+        "Backoff before a same-backend retry: this × 2^(retry − 1), jittered to 50–100 %.",
+        ge=0,
+    )
+    retry_backoff_max_s: float = knob(1.0, "Longest backoff before a retry.", ge=0)
+    retry_after_max_s: float = knob(
+        2.0,
+        "A 429/503 `Retry-After` up to this long (and within the request's first-byte "
+        "deadline) is waited out and retried on the same backend; longer: fail over.",
+        ge=0,
+    )
+    unsupported_fields: Literal["reject", "drop"] = knob(
+        "reject",
+        "A request field the chosen backend does not honour (its advertised "
+        "capabilities): `reject` answers an error naming the fields; `drop` removes them "
+        "and names them in `X-Brownout-Dropped`.",
     )
     ttft_limit_s: float = knob(
         0.0, "A time to first token above this counts as a backend failure (0 = off).", ge=0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import time
 import uuid
@@ -27,6 +28,7 @@ from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
 from proxy.control.shared import SharedState
 from proxy.guard.compiled import Guard
+from proxy.openai.capabilities import PLAIN
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
 from proxy.runtime.supervise import Supervisor
 from proxy.sessions.conversation import TurnIds
@@ -45,6 +47,8 @@ class Runtime:
     policy: Policy
     metrics: Metrics
     clock: Callable[[], float] = time.monotonic
+    # Jitter of retry backoffs (injectable: tests make it deterministic).
+    rand: Callable[[], float] = random.random
     upstreams: dict[str, Upstream] = field(default_factory=dict)
     backend_metrics: dict[str, BackendMetrics] = field(default_factory=dict)
     inflight: int = 0
@@ -355,6 +359,12 @@ class Runtime:
                 },
                 "model": up.policy.model or up.served_model,
                 "max_model_len": up.max_model_len,
+                # What failover may send it (issue 14): learnt at discovery / rescue.
+                "supports_continuation": up.supports_continuation,
+                "capabilities": (
+                    "openai" if up.caps is None else "plain" if up.caps is PLAIN else "advertised"
+                ),
+                "retries_in_window": up.retry_budget.retries,
             }
         lad = self.ladder.snapshot()
         lad["since"] = self.wall(float(lad["since"]))  # type: ignore[arg-type]

@@ -164,8 +164,16 @@ class Metrics:
         )
         self.retries = Counter(
             "brownout_retries",
-            "Requests retried on another backend before their first byte.",
-            ["from", "to"],
+            "Attempts after a failure before the first byte: the same backend again "
+            "(from = to, within its retry budget) or the next one, by reason.",
+            ["from", "to", "reason"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "brownout_retry_budget_exhausted",
+            "Transient failures not retried on the same backend because its retry "
+            "budget was spent (they failed over instead).",
+            ["backend"],
             registry=r,
         )
         self.rescues = Counter(

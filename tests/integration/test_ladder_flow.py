@@ -217,6 +217,9 @@ def ladder_policy(primary: str, fallback: str | None, *extras: str) -> Policy:
         "server": {"heartbeat_s": 0},
         "backends": {"primary": backend(primary, "vllm")},
         "ladder": {
+            # These drills are about failover: a transient failure goes to the
+            # other backend at once (same-backend retries: test_retry_flow.py).
+            "failover": {"retry_max": 0},
             "recovery": {
                 "window_s": 0.05,
                 "min_dwell_s": 0.3,

@@ -572,7 +572,7 @@ async def test_nothing_is_saved_unless_the_answer_finished(
             extra={
                 "ladder": {
                     "breaker": {"fail_max": 1000, "failure_rate": 0},
-                    "failover": {"rescue_streams": False},
+                    "failover": {"rescue_streams": False, "retry_max": 0},
                 }
             },
         )
@@ -697,7 +697,10 @@ async def test_maintenance_answer_is_not_saved(
 ) -> None:
     chat = ChatFake(fake_upstream)
     proxy = await start_proxy(
-        policy(fake_upstream.url, extra={"ladder": {"maintenance": {"enabled": True}}})
+        policy(
+            fake_upstream.url,
+            extra={"ladder": {"maintenance": {"enabled": True}, "failover": {"retry_max": 0}}},
+        )
     )
     sid = new_sid()
     assert (await ask(proxy, "first", sid=sid)).status == 200
