@@ -6,6 +6,7 @@ without running them.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,12 +15,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+_MAKE_VARS = {"MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}
+
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 
 
 def _dry_run(target: str, venv: Path) -> list[str]:
     res = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}"],
+        # --no-print-directory, and none of an outer make's variables: under
+        # `make test` the nested make would print "make[1]: Entering ..." lines.
+        ["make", "--no-print-directory", "-n", target, f"VENV={venv}"],
+        env={k: v for k, v in os.environ.items() if k not in _MAKE_VARS},
         capture_output=True,
         text=True,
         check=False,
