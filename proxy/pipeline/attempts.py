@@ -135,7 +135,15 @@ async def run_attempts(
             if d.step == "return":
                 return result
             why = d.reason
-            if d.step == "retry":
+            # Kept before any retry: if the breaker then refuses the retry,
+            # this is still the error to pass on.
+            if result.kind == "refused":
+                refusal = result
+            else:
+                last = result
+            # A breaker this failure opened admits no retry: fail over now
+            # (no retry counted, no budget spent).
+            if d.step == "retry" and up.breaker_for(rec.model).state != "open":
                 now = loop.time()
                 w = pol.retry_budget_window_s
                 if budget.take(now, w, pol.retry_budget_ratio, pol.retry_budget_min):
@@ -144,10 +152,6 @@ async def run_attempts(
                     await asyncio.sleep(d.delay)
                     continue
                 inbox.budget_exhausted(up, d.reason)
-            if result.kind == "refused":
-                refusal = result
-            else:
-                last = result
             break
     return refusal or last
 
