@@ -287,10 +287,16 @@ class Runtime:
     def report_failure(self, up: Upstream, kind: str, detail: str = "", *, permit: Permit) -> None:
         """`permit` is what `up.breaker_for(model).allow()` gave this call: the
         outcome goes to the breaker that issued it and counts only in the
-        epoch that admitted it."""
+        epoch that admitted it. Only a failure the backend's own breaker
+        counted can roll back a ramp towards it: not one admitted before it
+        recovered, nor one model's failure (per-model breakers keep it from
+        the backend's other models)."""
         self.metrics.upstream_errors.labels(up.name, kind).inc()
-        up.breaker_of(permit).record_failure(permit, f"{kind}: {detail}" if detail else kind)
-        self.ladder.report_failure(up.name)
+        b = up.breaker_of(permit)
+        counted = b.outcomes
+        b.record_failure(permit, f"{kind}: {detail}" if detail else kind)
+        if b.outcomes != counted and b is up.breaker:
+            self.ladder.report_failure(up.name)
 
     def on_model_breaker_change(
         self, name: str, model: str, old: str, new: str, reason: str

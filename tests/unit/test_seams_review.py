@@ -1,0 +1,94 @@
+"""Seams between the breakers, the runtime and the ladder (review of main at
+fd452ac): decisions on the injectable clock, no sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from proxy.backends.upstream import Upstream
+from proxy.control.breaker import BackendBreaker
+from proxy.control.ladder import Ramp
+from proxy.policy import parse_policy
+from proxy.runtime.generation import Runtime
+from proxy.telemetry.metrics import Metrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def runtime(primary_kind: str = "vllm") -> tuple[Runtime, Clock]:
+    doc: dict[str, Any] = {
+        "backends": {
+            "primary": {"url": "http://127.0.0.1:1", "kind": primary_kind},
+            "fallback": {"url": "http://127.0.0.1:2", "kind": "transformers"},
+        },
+        "ladder": {"breaker": {"fail_max": 2, "reset_timeout_s": 10}},
+    }
+    pol = parse_policy(yaml.safe_dump(doc), "seams.yaml")
+    clock = Clock()
+    rt = Runtime(policy=pol, metrics=Metrics(), clock=clock)
+    for name, bp in (("primary", pol.backends.primary), ("fallback", pol.backends.fallback)):
+        assert bp is not None
+        b = BackendBreaker(name, pol.ladder.breaker, clock)
+        rt.add_upstream(Upstream(name, bp, None, b))  # type: ignore[arg-type]  # no I/O here
+    return rt, clock
+
+
+def on_primary_ramp(rt: Runtime, clock: Clock) -> None:
+    rt.ladder.tier = "throttle"
+    rt.ladder.ramp = Ramp("primary", 0, clock.t, "fallback")
+
+
+def test_a_failure_admitted_before_the_recovery_never_rolls_the_ramp_back() -> None:
+    """A request admitted while the primary was still closed (a hung call,
+    timing out 60 s later) fails after the primary recovered: its breaker
+    ignores it (stale epoch), and on main the ladder still rolled the ramp
+    back to failover (ramp_max_failures 1)."""
+    rt, clock = runtime()
+    p = rt.upstreams["primary"]
+    hung = p.breaker_for(None).allow()  # in flight since before the outage
+    assert hung is not None
+    for _ in range(2):
+        permit = p.breaker_for(None).allow()
+        assert permit is not None
+        rt.report_failure(p, "http_500", permit=permit)
+    assert p.breaker.state == "open"
+    clock.t += 10
+    trial = p.breaker_for(None).allow()
+    assert trial is not None
+    rt.report_success(p, permit=trial)
+    assert p.breaker.state == "closed"
+    on_primary_ramp(rt, clock)
+
+    rt.report_failure(p, "first_byte_timeout", permit=hung)
+
+    assert p.breaker.state == "closed"
+    assert rt.ladder.tier == "throttle" and rt.ladder.ramp is not None
+    # A failure of this epoch still rolls the ramp back.
+    fresh = p.breaker_for(None).allow()
+    assert fresh is not None
+    rt.report_failure(p, "http_500", permit=fresh)
+    assert rt.ladder.tier == "failover" and rt.ladder.ramp is None
+
+
+def test_one_models_failure_never_rolls_back_the_ramp_of_the_others() -> None:
+    """Per-model breakers (kind openai, several models): model-a still broken
+    during the primary's ramp must not send model-b's traffic back to the
+    fallback (on main its first failure rolled the whole ramp back)."""
+    rt, clock = runtime("openai")
+    p = rt.upstreams["primary"]
+    p.served_models = ("model-a", "model-b")
+    on_primary_ramp(rt, clock)
+    permit = p.breaker_for("model-a").allow()
+    assert permit is not None and permit.owner is p.model_breakers["model-a"]
+    rt.report_failure(p, "http_500", permit=permit)
+    assert rt.ladder.tier == "throttle" and rt.ladder.ramp is not None
+    assert p.model_breakers["model-a"].outcomes == 1
+    assert p.breaker.state == "closed"
