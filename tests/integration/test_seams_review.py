@@ -4,10 +4,17 @@ real proxy in front of scripted fakes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
 from aiohttp import web
 
-from tests.integration.conftest import FakeUpstream, ProxyFactory
-from tests.integration.test_pipeline import CHAT, metrics, policy, total
+from proxy.policy import load_policy
+from proxy.runtime.keys import STATE
+from tests.integration.conftest import FakeUpstream, ProxyFactory, free_port
+from tests.integration.test_pipeline import CHAT, metrics, policy, total, wait_until
+from tests.integration.test_retry_flow import TOOL_BODY, failing_once, http_500
+from tests.integration.test_retry_flow import fallback_upstream as fallback_upstream
 
 VLLM_500 = {"error": {"message": "EngineCore encountered an issue.", "type": "server_error"}}
 PLAIN = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -35,3 +42,68 @@ async def test_a_retry_the_breaker_refuses_still_passes_on_the_backends_error(
     m = await metrics(proxy)
     assert total(m, "brownout_retries_total") == 0  # no retry happened
     assert total(m, "brownout_requests_total", status="500") == 1
+
+
+async def test_a_reload_keeps_what_was_learnt_of_the_same_fallback(
+    fallback_upstream: FakeUpstream, start_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """A reload that changes another setting of the fallback (here its idle
+    timeout) builds a new Upstream, and discovery does not run again while the
+    server stays healthy. On main that new Upstream forgot the capabilities
+    the fallback advertises (tool requests in failover: 503
+    unsupported_fields instead of its answer) and the retries already spent
+    in the window (the budget started over)."""
+    from proxy.fallback.fields import advertise
+    from proxy.fallback.interface import Capabilities
+
+    caps = advertise(Capabilities("batched", True, True, 5, True, True, True), grammar=True)
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        card = {"id": "tiny", "object": "model", "max_model_len": 4096, "capabilities": caps}
+        return web.json_response({"object": "list", "data": [card]})
+
+    handler, seen = failing_once(http_500, "fallback")
+    fallback_upstream.handlers["/v1/models"] = models
+    fallback_upstream.handlers[CHAT] = handler
+    path = tmp_path / "policy.yaml"
+
+    def write(idle_s: float) -> None:
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "server": {"heartbeat_s": 0.3},
+                    "backends": {
+                        "primary": {"url": f"http://127.0.0.1:{free_port()}"},  # refused
+                        "fallback": {
+                            "url": fallback_upstream.url,
+                            "kind": "transformers",
+                            "timeouts": {"idle_s": idle_s},
+                            "health": {"interval_s": 0.2},
+                        },
+                    },
+                    "ladder": {"maintenance": {"enabled": False}},
+                }
+            )
+        )
+
+    write(1.0)
+    proxy = await start_proxy(load_policy(str(path)))
+    state = proxy.app[STATE]
+    fb = state.current.upstreams["fallback"]
+    await wait_until(lambda: fb.caps is not None and "tools" in fb.caps.chat)
+    async with proxy.session.post(proxy.url + CHAT, json=TOOL_BODY) as r:
+        assert r.status == 200  # after one retry on the fallback
+        await r.read()
+    assert seen[0] == 2
+    write(2.0)
+    result = await state.reload("test")
+    assert result.get("ok", True) is not False, result
+    assert state.current.upstreams["fallback"] is not fb
+    async with proxy.session.get(proxy.url + "/brownout/status") as r:
+        st = (await r.json())["backends"]["fallback"]
+    assert st["capabilities"] == "advertised"
+    assert st["retries_in_window"] == 1
+    async with proxy.session.post(proxy.url + CHAT, json=TOOL_BODY) as r:
+        assert r.status == 200, await r.text()
+        assert "X-Brownout-Dropped" not in r.headers
+        await r.read()
