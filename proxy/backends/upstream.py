@@ -165,9 +165,12 @@ class Upstream:
         yield from self.model_breakers.items()
 
     def trial_due(self, now: float) -> bool:
-        """Whether the backend's breaker would admit a half-open trial now."""
-        b = self.breaker
-        return b.state == "half-open" or (b.state == "open" and now >= b.retry_at())
+        """Whether one of the backend's breakers (its own, or a model's) would
+        admit a half-open trial now."""
+        return any(
+            b.state == "half-open" or (b.state == "open" and now >= b.retry_at())
+            for _, b in self.breakers()
+        )
 
     def url_for(self, path_qs: str) -> URL:
         return URL(str(self.base) + path_qs, encoded=True)

@@ -92,3 +92,27 @@ def test_one_models_failure_never_rolls_back_the_ramp_of_the_others() -> None:
     assert rt.ladder.tier == "throttle" and rt.ladder.ramp is not None
     assert p.model_breakers["model-a"].outcomes == 1
     assert p.breaker.state == "closed"
+
+
+def test_model_breakers_get_real_trials_when_the_probe_cannot_test_them() -> None:
+    """Kind openai with two models, both models' breakers open, the recovery
+    probe refused as a request (misconfigured: real requests are the trial).
+    On main `trial_due` looked at the backend's own breaker only (closed), so
+    in maintenance no request ever went to the primary and it never came
+    back; in failover the primary was tried only behind the fallback."""
+    rt, clock = runtime("openai")
+    p = rt.upstreams["primary"]
+    p.served_models = ("model-a", "model-b")
+    p.probe_misconfigured = "POST /v1/chat/completions answered HTTP 422"
+    for model in p.served_models:
+        for _ in range(2):
+            permit = p.breaker_for(model).allow()
+            assert permit is not None
+            rt.report_failure(p, "http_500", permit=permit)
+    assert not p.available and p.breaker.state == "closed"
+    rt.ladder.tier = "maintenance"
+    assert rt.route() == ("maintenance", [])  # not due yet
+    clock.t += 10
+    assert rt.route() == ("primary", [p])
+    rt.ladder.tier = "failover"
+    assert rt.route() == ("fallback", [p, rt.upstreams["fallback"]])
