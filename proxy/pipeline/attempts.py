@@ -104,6 +104,7 @@ async def run_attempts(
         retries = 0
         budget = up.retry_budget
         started = loop.time()
+        deadline = started + up.policy.timeouts.first_byte_s  # the candidate's, retries included
         while True:
             permit = up.breaker_for(rec.model).allow()
             if permit is None:
@@ -115,13 +116,14 @@ async def run_attempts(
             prev = up
             rec.backend = up.name
             try:
-                result = await attempt(rec, up, inbox, passthrough)
+                # A retry gets what is left of the first attempt's deadline.
+                result = await attempt(rec, up, inbox, passthrough, deadline if retries else None)
                 inbox.attempt(up, result, permit)
                 if result.kind == "ended" and result.stream is not None:
                     result = await rescue_or_end(rec, up, result, inbox)
             finally:
                 inbox.settle(up, permit)
-            remaining = started + up.policy.timeouts.first_byte_s - loop.time()
+            remaining = deadline - loop.time()
             d = next_step(
                 result,
                 pol,
@@ -165,28 +167,33 @@ def _larger_window(up: Upstream, rest: list[Upstream]) -> bool:
 
 
 async def attempt(
-    rec: RequestRecord, up: Upstream, inbox: Inbox, passthrough: bool
+    rec: RequestRecord,
+    up: Upstream,
+    inbox: Inbox,
+    passthrough: bool,
+    deadline: float | None = None,
 ) -> AttemptResult:
     rt = rec.rt
     if up.name != "primary" or not rt.policy.ladder.throttle.enabled:
-        return await _attempt(rec, up, inbox, passthrough)
+        return await _attempt(rec, up, inbox, passthrough, deadline)
     # The proxy holds the line in front of the engine (vLLM never says 429).
     try:
         await rt.admission.acquire(rec.priority)
     except Rejected as r:
         return shed(rec, inbox, r)
     try:
-        return await _attempt(rec, up, inbox, passthrough)
+        return await _attempt(rec, up, inbox, passthrough, deadline)
     finally:
         rt.admission.release()
 
 
 async def _attempt(
-    rec: RequestRecord, up: Upstream, inbox: Inbox, passthrough: bool
+    rec: RequestRecord, up: Upstream, inbox: Inbox, passthrough: bool, deadline: float | None
 ) -> AttemptResult:
     # One deadline for preparing the request (trimming may count tokens on
-    # the backend) and for the backend's first byte.
-    deadline = rec.loop.time() + up.policy.timeouts.first_byte_s
+    # the backend) and for the backend's first byte, retries included.
+    if deadline is None:
+        deadline = rec.loop.time() + up.policy.timeouts.first_byte_s
     if passthrough:
         req = rec.request
         url = up.url_for(req.rel_url.raw_path_qs)

@@ -4,6 +4,7 @@ real proxy in front of scripted fakes."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import yaml
@@ -12,7 +13,14 @@ from aiohttp import web
 from proxy.policy import load_policy
 from proxy.runtime.keys import STATE
 from tests.integration.conftest import FakeUpstream, ProxyFactory, free_port
-from tests.integration.test_pipeline import CHAT, metrics, policy, total, wait_until
+from tests.integration.test_pipeline import (
+    CHAT,
+    metrics,
+    policy,
+    stream_words,
+    total,
+    wait_until,
+)
 from tests.integration.test_retry_flow import TOOL_BODY, failing_once, http_500
 from tests.integration.test_retry_flow import fallback_upstream as fallback_upstream
 
@@ -107,3 +115,42 @@ async def test_a_reload_keeps_what_was_learnt_of_the_same_fallback(
         assert r.status == 200, await r.text()
         assert "X-Brownout-Dropped" not in r.headers
         await r.read()
+
+
+async def test_a_retry_gets_what_is_left_of_the_first_byte_deadline(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A slow 500 (1.2 s of a 2 s first-byte deadline), then a retry that
+    stalls. On main the retry got a fresh 2 s deadline, so the client waited
+    about 3.2 s on the primary alone before the fallback's answer: the
+    request's first-byte deadline is one deadline, retries included."""
+    gate = asyncio.Event()
+    calls = [0]
+
+    async def slow_500_then_stall(request: web.Request) -> web.StreamResponse:
+        calls[0] += 1
+        if calls[0] == 1:
+            await asyncio.sleep(1.2)  # the scripted backend's delay, not a wait for a condition
+            return web.json_response(VLLM_500, status=500)
+        await gate.wait()
+        return web.Response()
+
+    async def fallback(request: web.Request) -> web.StreamResponse:
+        return await stream_words(request, ["from ", "fallback"])
+
+    fake_upstream.handlers[CHAT] = slow_500_then_stall
+    fallback_upstream.handlers[CHAT] = fallback
+    proxy = await start_proxy(
+        policy(fake_upstream.url, fallback_upstream.url, extra={"server": {"heartbeat_s": 0}})
+    )
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        async with proxy.session.post(proxy.url + CHAT, json={**PLAIN, "stream": True}) as r:
+            assert r.status == 200
+            assert r.headers["X-Brownout-Backend"] == "fallback"
+            await r.read()
+    finally:
+        gate.set()
+    assert calls[0] == 2  # the retry did happen
+    assert loop.time() - t0 < 2.7
