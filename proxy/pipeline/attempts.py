@@ -48,8 +48,8 @@ def next_step(
 ) -> Decision:
     """The retry rule, in one place (no I/O; the loop acts on it).
 
-    - An answer, a client-fault 4xx (content policy, bad parameters), a shed,
-      a mid-answer failure, a client that left: "return".
+    - An answer, a client-fault 4xx (content policy, bad parameters), a shed
+      (a retry's shed: "next"), a mid-answer failure, a client that left: "return".
     - A transient failure before the first byte (`result.retry`: a 5xx, a
       connection reset, a 429): "retry" on the same backend, up to
       `retry_max` times, after a jittered backoff — or the backend's
@@ -65,6 +65,10 @@ def next_step(
       the answer if no other backend takes the request).
     """
     kind = result.kind
+    if kind == "shed" and retries:
+        # Its slot went to another request while it backed off: the next
+        # backend rather than a 429 that its first attempt never got.
+        return Decision("next", "shed")
     if kind == "refused":
         if result.code == "unsupported_fields":
             return Decision("next", "unsupported_fields")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import yaml
 from aiohttp import web
@@ -154,3 +155,66 @@ async def test_a_retry_gets_what_is_left_of_the_first_byte_deadline(
         gate.set()
     assert calls[0] == 2  # the retry did happen
     assert loop.time() - t0 < 2.7
+
+
+async def test_a_retry_shed_by_admission_fails_over_instead_of_answering_429(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Throttle with one slot: request A gets it, the primary answers 500,
+    and while A backs off before its retry, request B takes the slot. On main
+    A's retry was shed and A got a 429, though its first attempt had been
+    admitted and the fallback could answer (before retries existed it would
+    have failed over)."""
+    gate = asyncio.Event()
+    a_failed = asyncio.Event()
+    calls: list[str] = []
+
+    async def primary(request: web.Request) -> web.StreamResponse:
+        who = (await request.json())["messages"][0]["content"]
+        calls.append(who)
+        if who == "A":
+            a_failed.set()
+            return web.json_response(VLLM_500, status=500)
+        await gate.wait()  # B holds the only slot
+        return await stream_words(request, ["from ", "primary"])
+
+    async def fallback(request: web.Request) -> web.StreamResponse:
+        return await stream_words(request, ["from ", "fallback"])
+
+    fake_upstream.handlers[CHAT] = primary
+    fallback_upstream.handlers[CHAT] = fallback
+    extra = {
+        "ladder": {
+            "throttle": {"max_inflight": 1, "queue_size": 0},
+            # A backoff of 0.5–1 s: B is admitted while A waits.
+            "failover": {"retry_backoff_s": 1.0, "retry_backoff_max_s": 1.0},
+        },
+    }
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    admission = proxy.app[STATE].current.admission
+
+    def ask(who: str) -> Any:
+        body = {**PLAIN, "stream": True, "messages": [{"role": "user", "content": who}]}
+        return proxy.session.post(proxy.url + CHAT, json=body)
+
+    async def a() -> tuple[int, str, bytes]:
+        async with ask("A") as r:
+            return r.status, r.headers["X-Brownout-Backend"], await r.read()
+
+    async def b() -> int:
+        async with ask("B") as r:
+            await r.read()
+            return r.status
+
+    task_a = asyncio.create_task(a())
+    await a_failed.wait()
+    await wait_until(lambda: admission.inflight == 0)  # A backs off
+    task_b = asyncio.create_task(b())
+    await wait_until(lambda: admission.inflight == 1 and calls == ["A", "B"])
+    try:
+        status, backend, raw = await task_a
+    finally:
+        gate.set()
+    assert (status, backend) == (200, "fallback"), raw
+    assert b"fallback" in raw
+    assert await task_b == 200
