@@ -8,12 +8,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import structlog
 import yaml
 from aiohttp import web
 
 from proxy.policy import load_policy
 from proxy.runtime.keys import STATE
-from tests.integration.conftest import FakeUpstream, ProxyFactory, free_port
+from tests.integration.conftest import FakeUpstream, ProxyFactory, chunk, free_port
 from tests.integration.test_pipeline import (
     CHAT,
     metrics,
@@ -218,3 +219,53 @@ async def test_a_retry_shed_by_admission_fails_over_instead_of_answering_429(
     assert (status, backend) == (200, "fallback"), raw
     assert b"fallback" in raw
     assert await task_b == 200
+
+
+async def test_each_new_path_ends_with_one_metric_update_and_one_log_line(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A retried request, one whose retry budget is spent, a refusal naming
+    unsupported fields, a rescue whose prefill the fallback refuses: each adds
+    exactly 1 to brownout_requests_total and writes exactly one `request` line."""
+    from tests.integration.test_rescue_capabilities import cut_after, no_prefill
+
+    async def primary(request: web.Request) -> web.StreamResponse:
+        what = (await request.json())["messages"][0]["content"]
+        if what == "cut":
+            return await cut_after(chunk("The quick"))(request)
+        return web.json_response(VLLM_500, status=500)
+
+    async def fallback(request: web.Request) -> web.StreamResponse:
+        what = (await request.json())["messages"][0]["content"]
+        if what == "cut":
+            return await no_prefill(request)
+        return await stream_words(request, ["from ", "fallback"])
+
+    fake_upstream.handlers[CHAT] = primary
+    fallback_upstream.handlers[CHAT] = fallback
+    # A budget of one retry (floor 1, no share): the second failing request fails over at once.
+    budget = {"failover": {"retry_budget_min": 1, "retry_budget_ratio": 0}}
+    proxy = await start_proxy(
+        policy(fake_upstream.url, fallback_upstream.url, extra={"ladder": budget})
+    )
+
+    def body(text: str, **more: Any) -> dict[str, Any]:
+        return {**PLAIN, "stream": True, "messages": [{"role": "user", "content": text}], **more}
+
+    before = total(await metrics(proxy), "brownout_requests_total")
+    with structlog.testing.capture_logs() as logs:
+        for text, more, status in [
+            ("retried", {}, 200),  # 500, retry 500, fallback
+            ("budget", {}, 200),  # 500, no budget left: fallback
+            ("tools", {"tools": TOOL_BODY["tools"]}, 503),  # 500 ×2, plain fallback refuses
+            ("cut", {}, 200),  # cut mid-answer, prefill refused, rescued by prompt
+        ]:
+            async with proxy.session.post(proxy.url + CHAT, json=body(text, **more)) as r:
+                assert r.status == status, (text, await r.text())
+                await r.read()
+    lines = [e for e in logs if e["event"] == "request"]
+    assert len(lines) == 4, lines
+    m = await metrics(proxy)
+    assert total(m, "brownout_requests_total") - before == 4
+    assert total(m, "brownout_retry_budget_exhausted_total", backend="primary") >= 1
+    assert total(m, "brownout_stream_rescues_total", outcome="prefill_rejected") == 1
