@@ -122,8 +122,13 @@ class Upstream:
 
     def breaker_for(self, model: str | None) -> BackendBreaker:
         """The breaker that admits a request for `model` (the request's
-        `model` field as sent to this backend)."""
+        `model` field as sent to this backend). The backend's own breaker
+        while it is not closed (opened by another replica, or by requests
+        without a served model): it gates every model, and real requests can
+        then be its half-open trial."""
         if model is None or not self.per_model or model not in self.served_models:
+            return self.breaker
+        if self.breaker.state != "closed":
             return self.breaker
         b = self.model_breakers.get(model)
         if b is None:

@@ -116,3 +116,26 @@ def test_model_breakers_get_real_trials_when_the_probe_cannot_test_them() -> Non
     assert rt.route() == ("primary", [p])
     rt.ladder.tier = "failover"
     assert rt.route() == ("fallback", [p, rt.upstreams["fallback"]])
+
+
+def test_an_open_backend_breaker_gates_every_model_and_real_requests_close_it() -> None:
+    """Kind openai with two models; the backend's own breaker opened by
+    another replica (shared state). On main breaker_for(model) handed out the
+    model's closed breaker: requests went through the open backend, and with
+    a misconfigured probe real requests were never the backend breaker's
+    trial, so it stayed open and the tier never came home."""
+    rt, clock = runtime("openai")
+    p = rt.upstreams["primary"]
+    p.served_models = ("model-a", "model-b")
+    p.probe_misconfigured = "POST /v1/chat/completions answered HTTP 422"
+    p.breaker.force_open("opened by replica r2: http_500")
+    assert p.breaker_for("model-a").allow() is None  # open: not now
+    clock.t += 10
+    trial = p.breaker_for("model-a").allow()
+    assert trial is not None and trial.owner is p.breaker and trial.trial
+    assert p.breaker_for("model-b").allow() is None  # one trial at a time
+    rt.report_success(p, permit=trial)
+    assert p.breaker.state == "closed" and p.available
+    # Closed again: each model has its own breaker.
+    permit = p.breaker_for("model-b").allow()
+    assert permit is not None and permit.owner is p.model_breakers["model-b"]
