@@ -139,3 +139,45 @@ def test_an_open_backend_breaker_gates_every_model_and_real_requests_close_it() 
     # Closed again: each model has its own breaker.
     permit = p.breaker_for("model-b").allow()
     assert permit is not None and permit.owner is p.model_breakers["model-b"]
+
+
+async def test_a_half_open_breaker_whose_real_trial_left_is_probed() -> None:
+    """A real request moved the primary's breaker open → half-open (allow()
+    after reset_timeout_s) and then ended without an outcome (shed, client
+    gone): its slot went back, and on main the evaluator probed only *open*
+    breakers, while in failover real requests reach the primary only when the
+    fallback fails — half-open for good, the healthy primary never used."""
+    import asyncio
+
+    from proxy.runtime.loops import Evaluator
+    from proxy.runtime.state import ProxyState
+    from tests.integration.conftest import free_port, make_policy
+
+    clock = Clock()
+    state = ProxyState(make_policy(f"http://127.0.0.1:{free_port()}"), Metrics(), clock)
+    await state.start()
+    try:
+        rt = state.current
+        up = rt.upstreams["primary"]
+        probes: list[int] = []
+
+        async def healthy_probe() -> str | None:
+            probes.append(1)
+            return None
+
+        up.recovery_probe = healthy_probe  # type: ignore[method-assign]
+        up.breaker.force_open("test")
+        clock.t += rt.policy.ladder.breaker.reset_timeout_s + 1
+        real = up.breaker_for(None).allow()  # a real request's trial ...
+        assert real is not None and up.breaker.state == "half-open"
+        evaluator = Evaluator(state)
+        evaluator.tick()
+        assert probes == []  # ... while it is out, no probe
+        up.release_trial(real)  # ... and it ends without an outcome
+        evaluator.tick()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert probes == [1]
+        assert up.breaker.state == "closed"
+    finally:
+        await state.close()
