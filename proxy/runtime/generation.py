@@ -201,7 +201,8 @@ class Runtime:
         the candidates to try in order before the first byte."""
         dest = self.ladder.route()
         if dest == "maintenance":
-            trial = self._real_trial()
+            # A forced maintenance sends nothing to any backend, trials included.
+            trial = None if self.ladder.forced is not None else self._real_trial()
             if trial is None:
                 return dest, []
             return ("primary" if trial.name == "primary" else "fallback"), [trial]
@@ -210,9 +211,12 @@ class Runtime:
         if dest == "primary" or fallback is None:
             order = [primary] if fallback is None else [primary, fallback]
         elif (
-            not self.policy.ladder.failover.recovery_probe or primary.probe_misconfigured
-        ) and primary.trial_due(self.clock()):
-            # No (working) recovery probe: a real request is the primary's trial.
+            (not self.policy.ladder.failover.recovery_probe or primary.probe_misconfigured)
+            and primary.trial_due(self.clock())
+            and self.ladder.forced is None
+        ):
+            # No (working) recovery probe: a real request is the primary's
+            # trial (never while an operator holds the traffic elsewhere).
             order = [primary, fallback]
         else:
             order = [fallback, primary]

@@ -181,3 +181,21 @@ async def test_a_half_open_breaker_whose_real_trial_left_is_probed() -> None:
         assert up.breaker.state == "closed"
     finally:
         await state.close()
+
+
+def test_a_forced_maintenance_sends_no_real_trial_to_a_backend() -> None:
+    """The probe is misconfigured, so real requests are the primary's
+    half-open trial (Runtime.route). On main that held under a forced
+    maintenance too: an operator who forced maintenance (to work on the
+    primary) still had client requests sent to it."""
+    rt, clock = runtime()
+    p = rt.upstreams["primary"]
+    p.probe_misconfigured = "POST /v1/chat/completions answered HTTP 404"
+    p.breaker.force_open("test")
+    clock.t += 10
+    rt.ladder.tier = "maintenance"
+    assert rt.route() == ("primary", [p])  # not forced: the real request is the trial
+    rt.force_tier("maintenance")
+    assert rt.route() == ("maintenance", [])
+    rt.force_tier("failover")
+    assert rt.route() == ("fallback", [rt.upstreams["fallback"], p])
