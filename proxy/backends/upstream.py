@@ -122,8 +122,13 @@ class Upstream:
 
     def breaker_for(self, model: str | None) -> BackendBreaker:
         """The breaker that admits a request for `model` (the request's
-        `model` field as sent to this backend)."""
+        `model` field as sent to this backend). The backend's own breaker
+        while it is not closed (opened by another replica, or by requests
+        without a served model): it gates every model, and real requests can
+        then be its half-open trial."""
         if model is None or not self.per_model or model not in self.served_models:
+            return self.breaker
+        if self.breaker.state != "closed":
             return self.breaker
         b = self.model_breakers.get(model)
         if b is None:
@@ -165,9 +170,12 @@ class Upstream:
         yield from self.model_breakers.items()
 
     def trial_due(self, now: float) -> bool:
-        """Whether the backend's breaker would admit a half-open trial now."""
-        b = self.breaker
-        return b.state == "half-open" or (b.state == "open" and now >= b.retry_at())
+        """Whether one of the backend's breakers (its own, or a model's) would
+        admit a half-open trial now."""
+        return any(
+            b.state == "half-open" or (b.state == "open" and now >= b.retry_at())
+            for _, b in self.breakers()
+        )
 
     def url_for(self, path_qs: str) -> URL:
         return URL(str(self.base) + path_qs, encoded=True)

@@ -48,8 +48,8 @@ def next_step(
 ) -> Decision:
     """The retry rule, in one place (no I/O; the loop acts on it).
 
-    - An answer, a client-fault 4xx (content policy, bad parameters), a shed,
-      a mid-answer failure, a client that left: "return".
+    - An answer, a client-fault 4xx (content policy, bad parameters), a shed
+      (a retry's shed: "next"), a mid-answer failure, a client that left: "return".
     - A transient failure before the first byte (`result.retry`: a 5xx, a
       connection reset, a 429): "retry" on the same backend, up to
       `retry_max` times, after a jittered backoff — or the backend's
@@ -65,6 +65,10 @@ def next_step(
       the answer if no other backend takes the request).
     """
     kind = result.kind
+    if kind == "shed" and retries:
+        # Its slot went to another request while it backed off: the next
+        # backend rather than a 429 that its first attempt never got.
+        return Decision("next", "shed")
     if kind == "refused":
         if result.code == "unsupported_fields":
             return Decision("next", "unsupported_fields")
@@ -104,6 +108,7 @@ async def run_attempts(
         retries = 0
         budget = up.retry_budget
         started = loop.time()
+        deadline = started + up.policy.timeouts.first_byte_s  # the candidate's, retries included
         while True:
             permit = up.breaker_for(rec.model).allow()
             if permit is None:
@@ -115,13 +120,14 @@ async def run_attempts(
             prev = up
             rec.backend = up.name
             try:
-                result = await attempt(rec, up, inbox, passthrough)
+                # A retry gets what is left of the first attempt's deadline.
+                result = await attempt(rec, up, inbox, passthrough, deadline if retries else None)
                 inbox.attempt(up, result, permit)
                 if result.kind == "ended" and result.stream is not None:
                     result = await rescue_or_end(rec, up, result, inbox)
             finally:
                 inbox.settle(up, permit)
-            remaining = started + up.policy.timeouts.first_byte_s - loop.time()
+            remaining = deadline - loop.time()
             d = next_step(
                 result,
                 pol,
@@ -135,7 +141,15 @@ async def run_attempts(
             if d.step == "return":
                 return result
             why = d.reason
-            if d.step == "retry":
+            # Kept before any retry: if the breaker then refuses the retry,
+            # this is still the error to pass on.
+            if result.kind == "refused":
+                refusal = result
+            else:
+                last = result
+            # A breaker this failure opened admits no retry: fail over now
+            # (no retry counted, no budget spent).
+            if d.step == "retry" and up.breaker_for(rec.model).state != "open":
                 now = loop.time()
                 w = pol.retry_budget_window_s
                 if budget.take(now, w, pol.retry_budget_ratio, pol.retry_budget_min):
@@ -144,10 +158,6 @@ async def run_attempts(
                     await asyncio.sleep(d.delay)
                     continue
                 inbox.budget_exhausted(up, d.reason)
-            if result.kind == "refused":
-                refusal = result
-            else:
-                last = result
             break
     return refusal or last
 
@@ -161,28 +171,33 @@ def _larger_window(up: Upstream, rest: list[Upstream]) -> bool:
 
 
 async def attempt(
-    rec: RequestRecord, up: Upstream, inbox: Inbox, passthrough: bool
+    rec: RequestRecord,
+    up: Upstream,
+    inbox: Inbox,
+    passthrough: bool,
+    deadline: float | None = None,
 ) -> AttemptResult:
     rt = rec.rt
     if up.name != "primary" or not rt.policy.ladder.throttle.enabled:
-        return await _attempt(rec, up, inbox, passthrough)
+        return await _attempt(rec, up, inbox, passthrough, deadline)
     # The proxy holds the line in front of the engine (vLLM never says 429).
     try:
         await rt.admission.acquire(rec.priority)
     except Rejected as r:
         return shed(rec, inbox, r)
     try:
-        return await _attempt(rec, up, inbox, passthrough)
+        return await _attempt(rec, up, inbox, passthrough, deadline)
     finally:
         rt.admission.release()
 
 
 async def _attempt(
-    rec: RequestRecord, up: Upstream, inbox: Inbox, passthrough: bool
+    rec: RequestRecord, up: Upstream, inbox: Inbox, passthrough: bool, deadline: float | None
 ) -> AttemptResult:
     # One deadline for preparing the request (trimming may count tokens on
-    # the backend) and for the backend's first byte.
-    deadline = rec.loop.time() + up.policy.timeouts.first_byte_s
+    # the backend) and for the backend's first byte, retries included.
+    if deadline is None:
+        deadline = rec.loop.time() + up.policy.timeouts.first_byte_s
     if passthrough:
         req = rec.request
         url = up.url_for(req.rel_url.raw_path_qs)

@@ -28,8 +28,8 @@ from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
 from proxy.control.shared import SharedState
 from proxy.guard.compiled import Guard
-from proxy.openai.capabilities import PLAIN
-from proxy.policy import Grant, Policy, Priority, parse_key_priorities, redact_url
+from proxy.policy import Grant, Policy, Priority, parse_key_priorities
+from proxy.runtime.status import status_of
 from proxy.runtime.supervise import Supervisor
 from proxy.sessions.conversation import TurnIds
 from proxy.sessions.counters import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
@@ -201,7 +201,8 @@ class Runtime:
         the candidates to try in order before the first byte."""
         dest = self.ladder.route()
         if dest == "maintenance":
-            trial = self._real_trial()
+            # A forced maintenance sends nothing to any backend, trials included.
+            trial = None if self.ladder.forced is not None else self._real_trial()
             if trial is None:
                 return dest, []
             return ("primary" if trial.name == "primary" else "fallback"), [trial]
@@ -210,9 +211,12 @@ class Runtime:
         if dest == "primary" or fallback is None:
             order = [primary] if fallback is None else [primary, fallback]
         elif (
-            not self.policy.ladder.failover.recovery_probe or primary.probe_misconfigured
-        ) and primary.trial_due(self.clock()):
-            # No (working) recovery probe: a real request is the primary's trial.
+            (not self.policy.ladder.failover.recovery_probe or primary.probe_misconfigured)
+            and primary.trial_due(self.clock())
+            and self.ladder.forced is None
+        ):
+            # No (working) recovery probe: a real request is the primary's
+            # trial (never while an operator holds the traffic elsewhere).
             order = [primary, fallback]
         else:
             order = [fallback, primary]
@@ -287,10 +291,16 @@ class Runtime:
     def report_failure(self, up: Upstream, kind: str, detail: str = "", *, permit: Permit) -> None:
         """`permit` is what `up.breaker_for(model).allow()` gave this call: the
         outcome goes to the breaker that issued it and counts only in the
-        epoch that admitted it."""
+        epoch that admitted it. Only a failure the backend's own breaker
+        counted can roll back a ramp towards it: not one admitted before it
+        recovered, nor one model's failure (per-model breakers keep it from
+        the backend's other models)."""
         self.metrics.upstream_errors.labels(up.name, kind).inc()
-        up.breaker_of(permit).record_failure(permit, f"{kind}: {detail}" if detail else kind)
-        self.ladder.report_failure(up.name)
+        b = up.breaker_of(permit)
+        counted = b.outcomes
+        b.record_failure(permit, f"{kind}: {detail}" if detail else kind)
+        if b.outcomes != counted and b is up.breaker:
+            self.ladder.report_failure(up.name)
 
     def on_model_breaker_change(
         self, name: str, model: str, old: str, new: str, reason: str
@@ -339,79 +349,7 @@ class Runtime:
     # -- status ------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        backends = {}
-        for name, up in self.upstreams.items():
-            h = up.health
-            backends[name] = {
-                "url": redact_url(up.policy.url),
-                "kind": up.policy.kind,
-                "healthy": h.healthy,
-                "down": up.down,
-                "last_error": h.last_error,
-                "last_probe_at": h.last_probe_at,
-                "consecutive_probe_failures": h.consecutive_failures,
-                "breaker": up.breaker.state,
-                "breaker_detail": up.breaker.snapshot(),
-                "model_breakers": {m: b.snapshot() for m, b in up.model_breakers.items()},
-                "probe": {
-                    "path": up.policy.probe.path,
-                    "misconfigured": up.probe_misconfigured,
-                },
-                "model": up.policy.model or up.served_model,
-                "max_model_len": up.max_model_len,
-                # What failover may send it (issue 14): learnt at discovery / rescue.
-                "supports_continuation": up.supports_continuation,
-                "capabilities": (
-                    "openai" if up.caps is None else "plain" if up.caps is PLAIN else "advertised"
-                ),
-                "retries_in_window": up.retry_budget.retries,
-            }
-        lad = self.ladder.snapshot()
-        lad["since"] = self.wall(float(lad["since"]))  # type: ignore[arg-type]
-        return {
-            "tier": self.ladder.tier,
-            "ladder": lad,
-            "history": [
-                {
-                    "at": self.wall(t.at),
-                    "from": t.from_tier,
-                    "to": t.to_tier,
-                    "reason": t.reason,
-                    "detail": t.detail,
-                }
-                for t in self.ladder.history
-            ],
-            "backends": backends,
-            "concurrency": {
-                "limit": self.admission.limit,
-                "max": self.policy.ladder.throttle.max_inflight,
-                "inflight": self.inflight,
-                "admission": self.admission.snapshot(),
-            },
-            "pressure": {
-                "active": self.pressure.active,
-                "reason": self.pressure.reason,
-                "signals": {k: round(v, 3) for k, v in self.pressure.ratios().items()},
-                "engine": {
-                    "num_requests_waiting": self.pressure.engine.waiting,
-                    "num_requests_running": self.pressure.engine.running,
-                    "kv_cache_usage_perc": self.pressure.engine.kv_cache,
-                    "scraped_at": self.wall(self.pressure.engine.scraped_at)
-                    if self.pressure.engine.scraped_at is not None
-                    else None,
-                    "error": self.pressure.engine.error,
-                },
-            },
-            "sessions": {
-                "store": redact_url(self.policy.sessions.store),
-                "healthy": self.store.healthy,
-                "last_error": self.store.last_error,
-                "saves_waiting": len(self.pending_saves),
-            },
-            "shared": self.shared.snapshot() if self.shared is not None else {"enabled": False},
-            "policy": {"source": self.policy.source},
-            "uptime_s": round(time.time() - self.started_at, 1),
-        }
+        return status_of(self)
 
 
 def _breaker_gauge(up: Upstream) -> Callable[[], float]:

@@ -71,9 +71,14 @@ class Evaluator:
                     continue  # real requests are the trial (see Runtime.route)
                 for model, b in list(up.breakers()):
                     key = (id(up), model)
-                    if key in self._probing or b.state != "open" or now < b.retry_at():
+                    if key in self._probing or b.state == "closed":
                         continue
-                    permit = b.allow()
+                    if b.state == "open" and now < b.retry_at():
+                        continue
+                    # Half-open too: a real request that moved it there may
+                    # have ended without an outcome (shed, client gone), and
+                    # with no trial out nothing else would ever test it.
+                    permit = b.allow()  # None while a real trial is out
                     if permit is not None:
                         name = f"recovery_probe_{up.name}" + (f"_{model}" if model else "")
                         task = self.state.supervisor.spawn(name, self._probe(up, b, model, permit))

@@ -37,6 +37,7 @@ import structlog
 
 from proxy.backends.upstream import Upstream, open_upstream
 from proxy.control.shared import SharedState
+from proxy.openai.capabilities import PLAIN
 from proxy.policy import Policy, PolicyError, load_policy, policy_diff, split_restart
 from proxy.policy.diff import RESTART_MARK
 from proxy.runtime.generation import Runtime
@@ -176,6 +177,7 @@ class ProxyState:
                         up.model_breakers = old.model_breakers
                     up.max_model_len = bp.max_model_len or old.max_model_len
                     up.health = dataclasses.replace(old.health)
+                    _keep_learnt(up, old)
             rt.add_upstream(up)
             if (
                 prev is not None
@@ -332,3 +334,19 @@ class ProxyState:
 
 def upstream_of(state: ProxyState, name: str) -> Upstream | None:
     return state.current.upstreams.get(name)
+
+
+def _keep_learnt(up: Upstream, old: Upstream) -> None:
+    """What requests taught about the same server stays true across a reload
+    (discovery is not run again while it stays healthy): its advertised
+    capabilities, whether it takes a prefill or the probe request, and the
+    retries it was already given in this window (one budget per backend)."""
+    same_kind = old.policy.kind == up.policy.kind
+    if same_kind and old.caps is not None and old.caps is not PLAIN:
+        up.caps = old.caps  # advertised by its /v1/models (not the kind's default)
+    unset = up.policy.supports_continuation is None and old.policy.supports_continuation is None
+    if same_kind and unset:  # learnt (advertised, or a prefill refused), not set
+        up.supports_continuation = old.supports_continuation
+    if up.policy.probe == old.policy.probe:
+        up.probe_misconfigured = old.probe_misconfigured
+    up.retry_budget = old.retry_budget
