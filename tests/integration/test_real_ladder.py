@@ -21,6 +21,8 @@ from tests.integration.conftest import RANDOM_MODEL_GUARD, ProxyFactory, Running
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 LADDER = """
+sessions:
+  trimming: {trim_stateless: false}
 ladder:
   breaker: {fail_max: 2, reset_timeout_s: 1}
   recovery: {window_s: 0.2, min_dwell_s: 2, healthy_windows: 2, ramp: [0.5, 1.0], ramp_step_s: 1}
@@ -102,10 +104,11 @@ async def test_engine_death_recovery_and_maintenance(
                 stream = await client.chat.completions.create(
                     model="tiny",
                     messages=[{"role": "user", "content": f"Tell me story number {i}."}],
-                    # Prompt + 900 + the trimming margin fit in max_model_len 1024, so no
-                    # /tokenize call is needed (at 1,000 a /tokenize slowed by the
-                    # loaded engine fell back to the estimate, which refused the request).
-                    max_tokens=900,
+                    # Long enough to be mid-answer when the engine dies (900 finished
+                    # first on some runs). The policy does not trim stateless
+                    # requests: at 1,000 a /tokenize slowed by the loaded engine
+                    # fell back to the estimate, which refused the request.
+                    max_tokens=1000,
                     temperature=0,
                     stream=True,
                     extra_body={"ignore_eos": True},
