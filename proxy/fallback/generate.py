@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -70,37 +70,42 @@ class _Job:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     req = parse_chat(await read_json(request))
-    app = request.app
-    check_model(req.model, app[SETTINGS])
-    support = app[API_SUPPORT]
-    caps = app[WORKERS].capabilities
-    check_capabilities(caps, req.sampling, req.output, chat=True, grammar=support.grammar)
-    check_capacity(app)
-    prepare = partial(_prepare_chat, app[ENGINE], support, req)
-    prompt_ids, processors = await app[WORKERS].tokenize(prepare)
-    job = _Job(
-        prompt_ids, req.sampling, req.output, processors, req.stream, req.include_usage, arrived
-    )
-    name = app[SETTINGS].served_model_name
-    return await _run(request, ChatShape(name, support.token_text), job)
+    support = request.app[API_SUPPORT]
+    name = request.app[SETTINGS].served_model_name
+    prepare = partial(_prepare_chat, request.app[ENGINE], support, req)
+    return await _serve(request, req, prepare, ChatShape(name, support.token_text), arrived)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     req = parse_completion(await read_json(request))
+    support = request.app[API_SUPPORT]
+    name = request.app[SETTINGS].served_model_name
+    prepare = partial(_prepare_completion, request.app[ENGINE], support, req)
+    return await _serve(request, req, prepare, CompletionShape(name, support.token_text), arrived)
+
+
+async def _serve(
+    request: web.Request,
+    req: ChatRequest | CompletionRequest,
+    prepare: Callable[[], tuple[list[int], tuple[LogitsProcessorFactory, ...]]],
+    shape: Shape,
+    arrived: float,
+) -> web.StreamResponse:
+    """What both endpoints share once the request is parsed: model and
+    capability checks, capacity, tokenizing off the loop, then the run."""
     app = request.app
     check_model(req.model, app[SETTINGS])
-    support = app[API_SUPPORT]
     caps = app[WORKERS].capabilities
-    check_capabilities(caps, req.sampling, req.output, chat=False, grammar=support.grammar)
+    chat = isinstance(req, ChatRequest)
+    grammar = app[API_SUPPORT].grammar
+    check_capabilities(caps, req.sampling, req.output, chat=chat, grammar=grammar)
     check_capacity(app)
-    prepare = partial(_prepare_completion, app[ENGINE], support, req)
     prompt_ids, processors = await app[WORKERS].tokenize(prepare)
     job = _Job(
         prompt_ids, req.sampling, req.output, processors, req.stream, req.include_usage, arrived
     )
-    name = app[SETTINGS].served_model_name
-    return await _run(request, CompletionShape(name, support.token_text), job)
+    return await _run(request, shape, job)
 
 
 def _specs(job: _Job, max_tokens: int) -> list[GenerationSpec]:

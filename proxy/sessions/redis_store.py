@@ -23,7 +23,12 @@ from redis.exceptions import RedisError, ResponseError
 
 from proxy.policy import SessionsPolicy
 from proxy.sessions.redisbatch import ScriptBatcher
-from proxy.sessions.store import SessionStoreUnavailable, SessionTurnRejected, Turn
+from proxy.sessions.store import (
+    SessionStoreUnavailable,
+    SessionTurnRejected,
+    Turn,
+    append_limits,
+)
 
 __all__ = ["RedisSessionStore", "encode_json"]
 
@@ -282,10 +287,7 @@ class RedisSessionStore:
         max_turns: int | None = None,
         ttl_s: int | None = None,
     ) -> int:
-        keep = 2 * (self._max_turns if max_turns is None else max_turns)
-        ttl = self._ttl_s if ttl_s is None else ttl_s
-        if keep < 2 or ttl < 1:
-            raise ValueError("max_turns and ttl_s must be >= 1")
+        keep, ttl = append_limits(max_turns, ttl_s, self._max_turns, self._ttl_s)
         if not new_turns:  # nothing to store; an empty append must not create a session
             return len(await self.load(key)) // 2
         payload = encode_json([m for t in new_turns for m in t.messages()])

@@ -191,6 +191,18 @@ def make_store(policy: SessionsPolicy, *, clock: Clock = time.time) -> SessionSt
     )
 
 
+def append_limits(
+    max_turns: int | None, ttl_s: int | None, default_turns: int, default_ttl: int
+) -> tuple[int, int]:
+    """(messages kept, ttl) of one `append` call, its overrides or the
+    store's defaults; both stores refuse the same out-of-range values."""
+    keep = 2 * (default_turns if max_turns is None else max_turns)
+    ttl = default_ttl if ttl_s is None else ttl_s
+    if keep < 2 or ttl < 1:
+        raise ValueError("max_turns and ttl_s must be >= 1")
+    return keep, ttl
+
+
 def _turn_messages(turns: Sequence[Turn]) -> list[dict[str, str]]:
     return [m for t in turns for m in t.messages()]
 
@@ -253,10 +265,7 @@ class MemorySessionStore:
         max_turns: int | None = None,
         ttl_s: int | None = None,
     ) -> int:
-        keep = 2 * (self.max_turns if max_turns is None else max_turns)
-        ttl = self.ttl_s if ttl_s is None else ttl_s
-        if keep < 2 or ttl < 1:
-            raise ValueError("max_turns and ttl_s must be >= 1")
+        keep, ttl = append_limits(max_turns, ttl_s, self.max_turns, self.ttl_s)
         if not new_turns:
             return len(await self.load(key)) // 2
         now = self.clock()
