@@ -27,7 +27,7 @@ import itertools
 import logging
 import math
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,7 +50,6 @@ from proxy.fallback.interface import (
     Observer,
     Outcome,
 )
-from proxy.fallback.protocol import SamplingParams
 from proxy.fallback.tokentext import TokenText
 from proxy.fallback.workers import TokenizerPool
 
@@ -184,15 +183,6 @@ class BatchedEngine:
             waiting=waiting,
             kv_cache_usage=self._kv_usage(),
         )
-
-    def start(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        max_tokens: int,
-        observer: Observer,
-    ) -> Generation:
-        return self.submit(GenerationSpec(tuple(prompt_ids), params, max_tokens), observer)
 
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         if self._closing or not self._manager.is_running():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -230,16 +230,6 @@ class GenerationEngine(Protocol):
 
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         """Start generating; the caller holds an admission slot. Raises `EngineClosed`."""
-        ...
-
-    def start(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        max_tokens: int,
-        observer: Observer,
-    ) -> Generation:
-        """The pre-interface call, kept for the handlers: `submit` of a plain spec."""
         ...
 
     async def tokenize(self, fn: Callable[[], T]) -> T:

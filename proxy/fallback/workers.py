@@ -14,7 +14,7 @@ streams (each thread runs its own batch of one), which is what
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -31,7 +31,6 @@ from proxy.fallback.interface import (
     Load,
     Observer,
 )
-from proxy.fallback.protocol import SamplingParams
 
 log = structlog.get_logger("brownout.fallback.workers")
 
@@ -96,15 +95,6 @@ class ThreadEngine:
         reserved = sum(self._active.values())
         usage = min(reserved / self._kv_token_budget, 1.0) if self._kv_token_budget else 0.0
         return Load(running=len(self._active), waiting=0, kv_cache_usage=usage)
-
-    def start(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        max_tokens: int,
-        observer: Observer,
-    ) -> Generation:
-        return self.submit(GenerationSpec(tuple(prompt_ids), params, max_tokens), observer)
 
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         """Start generating on a worker thread; the caller holds a concurrency slot."""
