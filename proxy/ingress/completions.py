@@ -51,22 +51,18 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
     priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
     sid = request.headers.get("X-Session-Id")
     session = session_context(rt, sid, api_key, parsed.body, endpoint) if sid is not None else None
-    rt.inflight += 1
-    try:
-        return await serve_completion(
-            request,
-            rt,
-            endpoint,
-            raw,
-            parsed.body,
-            parsed.stream,
-            request[REQUEST_ID],
-            request[STARTED_AT],
-            priority,
-            session,
-        )
-    finally:
-        rt.inflight -= 1
+    return await serve_completion(
+        request,
+        rt,
+        endpoint,
+        raw,
+        parsed.body,
+        parsed.stream,
+        request[REQUEST_ID],
+        request[STARTED_AT],
+        priority,
+        session,
+    )
 
 
 def session_context(

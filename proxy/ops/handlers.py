@@ -37,11 +37,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request, rt.policy.server.max_body_bytes, rt.policy.server.body_timeout_s)
     api_key = bearer_token(request.headers.get("Authorization"))
     priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
-    rt.inflight += 1
-    try:
-        return await serve_passthrough(request, rt, raw, rid, request[STARTED_AT], priority)
-    finally:
-        rt.inflight -= 1
+    return await serve_passthrough(request, rt, raw, rid, request[STARTED_AT], priority)
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -58,6 +58,8 @@ async def serve_passthrough(
 async def serve(rec: RequestRecord) -> web.StreamResponse:
     inbox = Inbox(rec.rt, rec.rid)
     term: Terminal | None = None
+    # In flight from here to the record: what a reload's drain waits for.
+    rec.rt.inflight += 1
     try:
         response, term = await _stages(rec, inbox)
         return response
@@ -73,6 +75,7 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         response, term = await _internal_error(rec, exc)
         return response
     finally:
+        rec.rt.inflight -= 1
         if term is not None:
             finish(rec, term)
 
