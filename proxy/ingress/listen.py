@@ -22,10 +22,14 @@ import socket
 from collections.abc import Callable
 from http import HTTPStatus
 
+import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from proxy.errors import error_response
+from proxy.runtime.generation import request_id
+
+log = structlog.get_logger("brownout.request")
 
 TimeoutSource = Callable[[], float]
 
@@ -119,7 +123,13 @@ class OpenAIErrorHandler(RequestHandler):
         else:
             text = message or HTTPStatus(status).phrase
             type_, code = "invalid_request_error", "bad_request"
-        resp = error_response(status, text, type_=type_, code=code)
+        rid = request_id(request.headers.get("X-Request-Id"))
+        # The one line of a request the app never saw (its middlewares
+        # log `request_rejected` for everything they refuse).
+        log.info(
+            "request_rejected", request_id=rid, status=status, reason=code, method=request.method
+        )
+        resp = error_response(status, text, type_=type_, code=code, headers={"X-Request-Id": rid})
         resp.force_close()
         return resp
 

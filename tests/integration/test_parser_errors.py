@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
+import structlog
 from aiohttp import web
 
 from proxy.app import create_app
@@ -44,7 +45,12 @@ async def served(fake_upstream: FakeUpstream) -> AsyncIterator[str]:
 async def test_parser_refusals_are_openai_errors(
     served: str, fake_upstream: FakeUpstream, target: bytes, headers: list[tuple[bytes, bytes]]
 ) -> None:
-    resp = await raw_request(served, "POST", target, headers, BODY)
+    with structlog.testing.capture_logs() as logs:
+        resp = await raw_request(served, "POST", target, headers, BODY)
     err = assert_openai_error(resp, 400, "bad_request")
     assert err["type"] == "invalid_request_error"
+    # One log line, with the id the client got back.
+    [line] = [e for e in logs if e["event"] in ("request", "request_rejected")]
+    assert line["event"] == "request_rejected" and line["status"] == 400
+    assert line["request_id"] == resp.headers["x-request-id"]
     assert forwarded(fake_upstream) == []
