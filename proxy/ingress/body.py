@@ -8,6 +8,7 @@ import asyncio
 from aiohttp import web
 
 from proxy.errors import RequestRejected
+from proxy.ingress.context import BODY_ABANDONED
 from proxy.ingress.headers import body_coding
 
 
@@ -40,6 +41,10 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
         raise RequestRejected(
             413, f"request body exceeds the {limit}-byte limit", "request_too_large"
         ) from None
+    except asyncio.CancelledError:
+        # The connection closed mid-body (aiohttp cancels the handler).
+        request[BODY_ABANDONED] = True
+        raise
     except TimeoutError:
         raise RequestRejected(
             408, f"request body not received within {timeout_s:g} s", "request_timeout"

@@ -20,9 +20,16 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from http import HTTPStatus
 
+import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+
+from proxy.errors import error_response
+from proxy.runtime.generation import request_id
+
+log = structlog.get_logger("brownout.request")
 
 TimeoutSource = Callable[[], float]
 
@@ -95,6 +102,38 @@ class HeaderDeadline(asyncio.Protocol):
         self._transport.close()
 
 
+class OpenAIErrorHandler(RequestHandler):
+    """aiohttp's protocol, answering what it refuses before the app runs (a
+    request line over 8 KiB, a `Content-Encoding` its parser cannot undo, a
+    malformed head) with an OpenAI error object instead of plain text."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's own: logs, and raises when a response was already begun.
+        super().handle_error(request, status, exc, message)
+        if status >= 500:
+            text, type_, code = "internal error", "server_error", "internal_error"
+        else:
+            text = message or HTTPStatus(status).phrase
+            type_, code = "invalid_request_error", "bad_request"
+        rid = request_id(request.headers.get("X-Request-Id"))
+        # The one line of a request the app never saw (its middlewares
+        # log `request_rejected` for everything they refuse).
+        log.info(
+            "request_rejected", request_id=rid, status=status, reason=code, method=request.method
+        )
+        resp = error_response(status, text, type_=type_, code=code, headers={"X-Request-Id": rid})
+        resp.force_close()
+        return resp
+
+
 def _deadline_of(request: web.BaseRequest) -> HeaderDeadline | None:
     transport = request.transport
     if transport is None:
@@ -154,7 +193,9 @@ class GuardedSite(web.BaseSite):
         assert server is not None
 
         def protocol() -> asyncio.Protocol:
-            return HeaderDeadline(server(), loop, self._timeout(), self._on_timeout)
+            inner = server()
+            inner.__class__ = OpenAIErrorHandler  # same layout: no slots added
+            return HeaderDeadline(inner, loop, self._timeout(), self._on_timeout)
 
         self._server = await loop.create_server(
             protocol, self._host, self._port, backlog=self._backlog, reuse_address=True

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from proxy.errors import RequestRejected, error_response
 from proxy.ingress import listen
-from proxy.ingress.context import REQUEST_ID, STARTED_AT
+from proxy.ingress.context import BODY_ABANDONED, REQUEST_ID, STARTED_AT
 from proxy.ingress.paths import path_problem
 from proxy.ingress.routes import Route, route_of
 from proxy.openai.auth import bearer_token, is_valid_utf8, key_matches
@@ -76,6 +76,14 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if _PREPARED in request:
             return await _internal_error(request, exc)
         return reject(request, _from_http(request, exc), exc.headers)
+    except asyncio.CancelledError:
+        if request.get(BODY_ABANDONED):
+            # No answer can reach the client; the request still gets its one
+            # line and count (a disconnect later is the pipeline's to log).
+            reject(
+                request, RequestRejected(499, "client closed the connection", "client_disconnect")
+            )
+        raise
     except Exception as exc:
         if isinstance(exc, RequestRejected) and _PREPARED not in request:
             return reject(request, exc)
