@@ -9,6 +9,8 @@ happened travels back in the result.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import aiohttp
 from aiohttp import web
@@ -29,6 +31,18 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Headers of a pass-through answer that describe its body (hop-by-hop and
 # framing headers are aiohttp's business).
 PASSTHROUGH_HEADERS = ("Content-Type", "Content-Encoding", "Retry-After")
+
+
+_ERROR_BODY = re.compile(rb'\s*\{\s*"error"\s*:')
+
+
+def _is_error_object(body: bytes) -> bool:
+    """`{"error": {...}}` without `choices` (checked only when it starts like one)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("error"), dict) and "choices" not in obj
 
 
 def _fault(status: int) -> str:
@@ -75,6 +89,17 @@ async def relay_body(
             ),
             code="context_length_exceeded",
         )
+    if status == 200 and _ERROR_BODY.match(body, 0, 64) and _is_error_object(body):
+        # A 200 that carries an error object is a failure, not an answer (it
+        # must not close a half-open breaker; nothing reached the client yet).
+        return failed(
+            up,
+            502,
+            "backend answered 200 with an error object",
+            "upstream_error",
+            "upstream_error",
+            "http_200_error",
+        )._replace(body=upstream_error_body(502, body))
     guard = rec.rt.guard
     if status == 200 and guard is not None:
         trip = guard.check_body(body)

@@ -658,3 +658,40 @@ async def test_health_probes_never_follow_a_redirect(
     assert health.healthy is False
     assert health.last_error == "health returned HTTP 307"
     assert [p for p, _, _ in fake_upstream.requests if p == "/elsewhere"] == []
+
+
+async def test_a_200_carrying_an_error_object_is_a_failure_not_an_answer(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A non-streaming 200 whose body is `{"error": ...}` (no choices) counts
+    against the primary's breaker and moves to the fallback — it must not
+    close a half-open breaker as a 'successful trial'."""
+
+    async def error_200(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom", "type": "server_error"}})
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "from the fallback"},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
+        )
+
+    fake_upstream.handlers[CHAT] = error_200
+    fallback_upstream.handlers[CHAT] = answer
+    extra = {"ladder": {"failover": {"retry_max": 0}}}
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    async with proxy.session.post(proxy.url + CHAT, json={**CHAT_BODY, "stream": False}) as r:
+        assert r.status == 200
+        assert r.headers["X-Brownout-Backend"] == "fallback"
+        assert (await r.json())["choices"][0]["message"]["content"] == "from the fallback"
+    m = await metrics(proxy)
+    assert total(m, "brownout_upstream_errors_total", backend="primary") == 1
