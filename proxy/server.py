@@ -125,7 +125,8 @@ async def _reload_on_sighup(app: web.Application) -> None:
     loop = asyncio.get_running_loop()
 
     def on_hup() -> None:
-        # Supervised: an exception is logged and counted, never lost.
-        state.supervisor.spawn("reload_sighup", state.reload("sighup"))
+        # Supervised: an exception is logged and counted, never lost. A burst
+        # of signals while a reload waits for its turn adds no reloads.
+        state.supervisor.spawn("reload_sighup", state.reload_coalesced("sighup"))
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)

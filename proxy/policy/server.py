@@ -74,6 +74,7 @@ class ServerPolicy:
     )
     watch_policy: bool = knob(
         False,
-        "Reload the policy when its file changes (besides SIGHUP and the API).",
+        "Reload the policy when its file, or the FAQ file it names, changes "
+        "(besides SIGHUP and the API).",
     )
     watch_interval_s: float = knob(2.0, "How often the policy file is checked when watched.", gt=0)

@@ -164,18 +164,51 @@ async def flush_saves_forever(state: ProxyState, sleep: Sleep = asyncio.sleep) -
             await rt.pending_saves.flush(rt.store)
 
 
-async def watch_policy(state: ProxyState) -> None:
-    """Reload when the policy file changes (stat off the event loop)."""
-    last: tuple[float, int] | None = None
-    while True:
-        path = state.current.policy.source
+Stamp = tuple[float, int] | None
+
+
+def _watched(path: str, faq_file: str | None) -> tuple[Stamp, ...]:
+    """(mtime, size) of the policy file and of the FAQ file it names (None: missing)."""
+    paths = [path]
+    if faq_file:
+        paths.append(os.path.join(os.path.dirname(path), faq_file))
+    sigs: list[Stamp] = []
+    for p in paths:
         try:
-            st = await asyncio.to_thread(os.stat, path)
-            sig = (st.st_mtime, st.st_size)
+            st = os.stat(p)
+            sigs.append((st.st_mtime, st.st_size))
         except OSError:
-            sig = None
-        if last is not None and sig is not None and sig != last:
-            await state.reload("file_changed")
-        if sig is not None:
-            last = sig
+            sigs.append(None)
+    return tuple(sigs)
+
+
+def changed(last: tuple[Stamp, ...], now: tuple[Stamp, ...]) -> bool:
+    """A file whose stamp moved, or that came back; a file missing now (an
+    editor's write-and-rename, for a moment) is no change by itself."""
+    if len(last) != len(now):
+        return True
+    return any(b is not None and a != b for a, b in zip(last, now, strict=True))
+
+
+def merge(last: tuple[Stamp, ...], now: tuple[Stamp, ...]) -> tuple[Stamp, ...]:
+    """The stamps to compare with next time: a missing file keeps its last one."""
+    if len(last) != len(now):
+        return now
+    return tuple(a if b is None else b for a, b in zip(last, now, strict=True))
+
+
+async def watch_policy(state: ProxyState) -> None:
+    """Reload when the policy file, or the FAQ file it names, changes (stat off
+    the event loop)."""
+    last: tuple[Stamp, ...] | None = None
+    while True:
+        policy = state.current.policy
+        now = await asyncio.to_thread(_watched, policy.source, policy.faq.file)
+        if last is not None and changed(last, now):
+            await state.reload_coalesced("file_changed")
+            # The reload may name another FAQ file: watch what is running now.
+            policy = state.current.policy
+            now = await asyncio.to_thread(_watched, policy.source, policy.faq.file)
+            last = None
+        last = now if last is None else merge(last, now)
         await asyncio.sleep(state.current.policy.server.watch_interval_s)

@@ -88,6 +88,7 @@ class ProxyState:
         self.loaded_at = time.time()
         self.last_reload: dict[str, Any] | None = None
         self._lock = asyncio.Lock()
+        self._queued = False  # a coalesced reload waits for the lock
         self._drains: set[asyncio.Task[None]] = set()
         self._loops: LoopSpec | None = None
         metrics.inflight.set_function(lambda: sum(r.inflight for r in self.live))
@@ -216,57 +217,77 @@ class ProxyState:
 
     # -- reload --------------------------------------------------------------------
 
+    async def reload_coalesced(self, reason: str) -> dict[str, Any] | None:
+        """A reload for triggers that come in bursts (SIGHUP, the file watch):
+        while one such reload still waits for its turn, another trigger adds
+        nothing — the waiting one reads the file after it anyway. Returns None
+        for a trigger folded into the waiting reload."""
+        if self._queued:
+            return None
+        self._queued = True
+        try:
+            await self._lock.acquire()
+        finally:
+            # From here on the file is read: a later trigger needs a reload of its own.
+            self._queued = False
+        try:
+            return await self._reload(reason)
+        finally:
+            self._lock.release()
+
     async def reload(self, reason: str) -> dict[str, Any]:
         """Load the policy file again; swap it in if it is valid and everything
         it needs could be built. Never raises: a failure keeps the running
         policy, and is logged, counted and shown in status."""
         async with self._lock:
-            old = self.current
-            path = old.policy.source
-            started = time.time()
-            try:
-                policy = await asyncio.to_thread(load_policy, path)
-            except PolicyError as exc:
-                return self._rejected(reason, started, exc.lines(), "invalid_policy")
-            except Exception as exc:
-                log.error("policy_reload_failed", reason=reason, exc_info=True)
-                why = f"{path}: cannot read the policy: {type(exc).__name__}: {exc}"
-                return self._rejected(reason, started, [why], "invalid_policy")
-            # Knobs a running process cannot change keep their running value;
-            # the reload says which ones wait for a restart.
-            restart = [
-                line for line in policy_diff(old.policy, policy) if line.endswith(RESTART_MARK)
-            ]
-            policy, _waiting = split_restart(old.policy, policy)
-            built = _Built()
-            try:
-                changes = policy_diff(old.policy, policy)
-                new = Runtime(
-                    policy=policy,
-                    metrics=self.metrics,
-                    clock=self.clock,
-                    supervisor=self.supervisor,
-                )
-                await self._provision(new, old, built)
-            except Exception as exc:
-                log.error("policy_reload_failed", reason=reason, exc_info=True)
-                await built.close()
-                why = f"{path}: cannot apply the policy: {type(exc).__name__}: {exc}"
-                return self._rejected(reason, started, [why], "policy_not_applied")
-            self._commit(new, old)
-            self.metrics.reloads.inc()
-            log.warning("policy_reloaded", reason=reason, changes=changes, needs_restart=restart)
-            self.last_reload = {
-                "ok": True,
-                "at": round(started, 3),
-                "trigger": reason,
-                "changes": changes,
-                "needs_restart": restart,
-            }
-            task = self.supervisor.spawn("drain", self._drain(old))
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
-            return self.last_reload
+            return await self._reload(reason)
+
+    async def _reload(self, reason: str) -> dict[str, Any]:
+        """The reload itself; the caller holds the lock."""
+        old = self.current
+        path = old.policy.source
+        started = time.time()
+        try:
+            policy = await asyncio.to_thread(load_policy, path)
+        except PolicyError as exc:
+            return self._rejected(reason, started, exc.lines(), "invalid_policy")
+        except Exception as exc:
+            log.error("policy_reload_failed", reason=reason, exc_info=True)
+            why = f"{path}: cannot read the policy: {type(exc).__name__}: {exc}"
+            return self._rejected(reason, started, [why], "invalid_policy")
+        # Knobs a running process cannot change keep their running value;
+        # the reload says which ones wait for a restart.
+        restart = [line for line in policy_diff(old.policy, policy) if line.endswith(RESTART_MARK)]
+        policy, _waiting = split_restart(old.policy, policy)
+        built = _Built()
+        try:
+            changes = policy_diff(old.policy, policy)
+            new = Runtime(
+                policy=policy,
+                metrics=self.metrics,
+                clock=self.clock,
+                supervisor=self.supervisor,
+            )
+            await self._provision(new, old, built)
+        except Exception as exc:
+            log.error("policy_reload_failed", reason=reason, exc_info=True)
+            await built.close()
+            why = f"{path}: cannot apply the policy: {type(exc).__name__}: {exc}"
+            return self._rejected(reason, started, [why], "policy_not_applied")
+        self._commit(new, old)
+        self.metrics.reloads.inc()
+        log.warning("policy_reloaded", reason=reason, changes=changes, needs_restart=restart)
+        self.last_reload = {
+            "ok": True,
+            "at": round(started, 3),
+            "trigger": reason,
+            "changes": changes,
+            "needs_restart": restart,
+        }
+        task = self.supervisor.spawn("drain", self._drain(old))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+        return self.last_reload
 
     def _rejected(
         self, reason: str, started: float, errors: list[str], code: str

@@ -266,7 +266,7 @@ async def test_a_sighup_reload_that_raises_is_logged_and_counted(
     async def broken(reason: str) -> dict[str, Any]:
         raise RuntimeError(f"reload bug ({reason})")
 
-    state.reload = broken  # type: ignore[method-assign]
+    state._reload = broken  # type: ignore[method-assign]
     await _reload_on_sighup(proxy.app)
     loop = asyncio.get_running_loop()
     try:

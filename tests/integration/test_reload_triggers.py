@@ -1,0 +1,96 @@
+"""Reload triggers that come in bursts or from the files a policy names.
+
+- a burst of SIGHUPs (a deploy script in a loop, `kill -HUP` from several
+  hooks) runs at most two reloads — the one running and one that reads the
+  file after the last signal — not one per signal;
+- with `server.watch_policy`, an edit of the FAQ file the policy names
+  reloads it too (before, only the policy file itself was watched, and an
+  edited FAQ waited for a SIGHUP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from proxy.policy import load_policy
+from proxy.runtime.keys import STATE
+from proxy.runtime.loops import changed, merge
+from proxy.server import _reload_on_sighup
+from tests.integration.conftest import FakeUpstream, ProxyFactory
+from tests.integration.test_reload_state import status, wait_for, write
+from tests.integration.test_sessions_flow import metric
+
+FAQ = "entries:\n  - question: How long do refunds take?\n    answer: {answer}\n"
+
+
+async def test_a_burst_of_sighups_runs_at_most_two_reloads(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    write(path, fake_upstream.url)
+    proxy = await start_proxy(load_policy(path))
+    await _reload_on_sighup(proxy.app)
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(20):
+            os.kill(os.getpid(), signal.SIGHUP)
+        await asyncio.sleep(0.05)  # the signals are handled on the loop
+
+        async def settled() -> bool:
+            state = proxy.app[STATE]
+            return not state._lock.locked() and not state._queued
+
+        await wait_for(settled, "the reloads to finish")
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+    reloads = await metric(proxy, "brownout_policy_reloads_total")
+    assert 1 <= reloads <= 2, reloads
+    assert (await status(proxy))["policy"]["last_reload"]["trigger"] == "sighup"
+
+
+async def test_a_sighup_after_the_file_was_read_gets_its_own_reload(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    write(path, fake_upstream.url)
+    proxy = await start_proxy(load_policy(path))
+    state = proxy.app[STATE]
+    first = await state.reload_coalesced("sighup")
+    second = await state.reload_coalesced("sighup")
+    assert first is not None and first["ok"] and second is not None and second["ok"]
+    assert await metric(proxy, "brownout_policy_reloads_total") == 2
+
+
+async def test_an_edited_faq_file_is_reloaded_by_the_watch(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    faq = tmp_path / "faq.yaml"
+    faq.write_text(FAQ.format(answer="Refunds take 5 days."))
+    watch = "  watch_policy: true\n  watch_interval_s: 0.05\n"
+    write(path, fake_upstream.url, server=watch, rest="faq:\n  file: faq.yaml\n")
+    proxy = await start_proxy(load_policy(path))
+    entries = proxy.app[STATE].current.policy.faq.entries
+    assert [e.answer for e in entries] == ["Refunds take 5 days."]
+
+    await asyncio.sleep(0.2)  # the watch has its first stamps
+    faq.write_text(FAQ.format(answer="Refunds take 3 days now."))
+
+    async def reloaded() -> bool:
+        return await metric(proxy, "brownout_policy_reloads_total") >= 1
+
+    await wait_for(reloaded, "the FAQ edit to be reloaded")
+    entries = proxy.app[STATE].current.policy.faq.entries
+    assert [e.answer for e in entries] == ["Refunds take 3 days now."]
+    assert (await status(proxy))["policy"]["last_reload"]["trigger"] == "file_changed"
+
+
+def test_a_file_missing_for_a_moment_is_no_change() -> None:
+    a, b = (1.0, 10), (2.0, 11)
+    assert not changed((a, b), (a, None))  # the FAQ being renamed into place
+    assert changed((a, b), (a, (3.0, 11)))
+    assert merge((a, b), (a, None)) == (a, b)
+    assert changed((a,), (a, b))  # the reload named an FAQ file
