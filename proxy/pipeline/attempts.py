@@ -242,6 +242,17 @@ async def _attempt(
         if rec.stream and sse:
             keep = can_rescue(rec, up) or rec.session is not None
             return await relay_events(rec, up, resp, deadline, t_call, keep=keep)
+        if sse:
+            # An event stream for a request that asked for one JSON body is a
+            # broken backend, and nothing reached the client: the next backend.
+            return failed(
+                up,
+                502,
+                "backend answered a non-streaming request with an event stream",
+                "upstream_error",
+                "sse_for_json",
+                "sse_for_json",
+            )
         return await relay_body(rec, up, resp)
     finally:
         close(resp)

@@ -695,3 +695,44 @@ async def test_a_200_carrying_an_error_object_is_a_failure_not_an_answer(
         assert (await r.json())["choices"][0]["message"]["content"] == "from the fallback"
     m = await metrics(proxy)
     assert total(m, "brownout_upstream_errors_total", backend="primary") == 1
+
+
+async def test_an_event_stream_for_a_json_request_is_a_failure_not_a_502(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A backend that answers `stream: false` with `text/event-stream` is
+    broken: nothing reached the client, so the fallback answers (before, the
+    client got 502 invalid_output and the primary's breaker saw nothing)."""
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chunk("Hello") + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "from the fallback"},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
+        )
+
+    fake_upstream.handlers[CHAT] = sse
+    fallback_upstream.handlers[CHAT] = answer
+    extra = {"ladder": {"failover": {"retry_max": 0}}}
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    async with proxy.session.post(proxy.url + CHAT, json={**CHAT_BODY, "stream": False}) as r:
+        assert r.status == 200
+        assert r.headers["X-Brownout-Backend"] == "fallback"
+        assert (await r.json())["choices"][0]["message"]["content"] == "from the fallback"
+    m = await metrics(proxy)
+    assert total(m, "brownout_upstream_errors_total", backend="primary") == 1
