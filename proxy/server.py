@@ -14,6 +14,7 @@ from proxy.app import create_app
 from proxy.ingress.listen import GuardedSite
 from proxy.policy import Policy, redact_url
 from proxy.runtime.keys import STATE
+from proxy.runtime.state import ProxyState
 from proxy.telemetry.logs import configure_logging
 
 
@@ -72,6 +73,14 @@ async def serve(app: web.Application, host: str, port: int, shutdown_grace_s: fl
             loop.remove_signal_handler(sig)
 
 
+def _count_refused(state: ProxyState, status: int, code: str) -> None:
+    """A request aiohttp's parser refused before the app saw it: counted like
+    every other refusal (`brownout_requests_total`, `brownout_bad_requests_total`)."""
+    rt = state.current
+    rt.metrics.bad_requests.labels(code).inc()
+    rt.count_request("none", "unknown", status)
+
+
 async def start_site(
     runner: web.AppRunner, app: web.Application, host: str, port: int
 ) -> GuardedSite:
@@ -84,6 +93,7 @@ async def start_site(
         port,
         header_timeout_s=lambda: state.current.policy.server.header_timeout_s,
         on_timeout=lambda: state.current.metrics.header_timeouts.inc(),
+        on_refused=lambda status, code: _count_refused(state, status, code),
     )
     await site.start()
     return site

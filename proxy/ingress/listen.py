@@ -108,6 +108,8 @@ class OpenAIErrorHandler(RequestHandler):
     malformed head) with an OpenAI error object instead of plain text."""
 
     __slots__ = ()
+    # Set on the per-site subclass (see `GuardedSite.start`): counts the refusal.
+    on_refused: Callable[[int, str], None] = staticmethod(lambda status, code: None)
 
     def handle_error(
         self,
@@ -123,6 +125,7 @@ class OpenAIErrorHandler(RequestHandler):
         else:
             text = message or HTTPStatus(status).phrase
             type_, code = "invalid_request_error", "bad_request"
+        self.on_refused(status, code)
         rid = request_id(request.headers.get("X-Request-Id"))
         # The one line of a request the app never saw (its middlewares
         # log `request_rejected` for everything they refuse).
@@ -164,7 +167,7 @@ class GuardedSite(web.BaseSite):
     """A TCP site whose connections have the header deadline. The timeout is
     read per connection, so a policy reload changes it for new connections."""
 
-    __slots__ = ("_host", "_on_timeout", "_port", "_timeout")
+    __slots__ = ("_handler", "_host", "_on_timeout", "_port", "_timeout")
 
     def __init__(
         self,
@@ -174,6 +177,7 @@ class GuardedSite(web.BaseSite):
         *,
         header_timeout_s: TimeoutSource,
         on_timeout: Callable[[], None] = lambda: None,
+        on_refused: Callable[[int, str], None] = lambda status, code: None,
         backlog: int = 128,
     ) -> None:
         super().__init__(runner, backlog=backlog)
@@ -181,6 +185,13 @@ class GuardedSite(web.BaseSite):
         self._port = port
         self._timeout = header_timeout_s
         self._on_timeout = on_timeout
+        # The protocol class of this site's connections: aiohttp's, answering
+        # its parser's refusals with an OpenAI error and counting them.
+        self._handler = type(
+            "OpenAIErrorHandler",
+            (OpenAIErrorHandler,),
+            {"__slots__": (), "on_refused": staticmethod(on_refused)},
+        )
 
     @property
     def name(self) -> str:
@@ -192,9 +203,11 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
 
+        handler = self._handler
+
         def protocol() -> asyncio.Protocol:
             inner = server()
-            inner.__class__ = OpenAIErrorHandler  # same layout: no slots added
+            inner.__class__ = handler  # same layout: no slots added
             return HeaderDeadline(inner, loop, self._timeout(), self._on_timeout)
 
         self._server = await loop.create_server(

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 import structlog
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import create_app
 from proxy.server import start_site
@@ -54,3 +56,13 @@ async def test_parser_refusals_are_openai_errors(
     assert line["event"] == "request_rejected" and line["status"] == 400
     assert line["request_id"] == resp.headers["x-request-id"]
     assert forwarded(fake_upstream) == []
+    # Counted like every other refusal (before, Prometheus never saw them).
+    async with aiohttp.ClientSession() as session, session.get(served + "/metrics") as m:
+        families = {f.name: f for f in text_string_to_metric_families(await m.text())}
+    [sample] = [
+        s for s in families["brownout_requests"].samples if s.name == "brownout_requests_total"
+    ]
+    assert sample.labels == {"backend": "none", "endpoint": "unknown", "status": "400"}
+    assert sample.value == 1
+    [bad] = [s for s in families["brownout_bad_requests"].samples if s.name.endswith("_total")]
+    assert bad.labels == {"reason": "bad_request"} and bad.value == 1
