@@ -116,9 +116,13 @@ async def trimmed_messages(
             res = await _trim(rec, up, messages, budget, inbox)
     except ContextTooLong as exc:
         answer = mt if isinstance(mt, int) else tp.default_max_tokens
-        if exc.prompt_tokens + answer <= window:
-            # What cannot be dropped fits without our safety margin: send
-            # that (all history dropped) and let the backend judge.
+        near = exc.estimated and exc.prompt_tokens < window
+        if near or exc.prompt_tokens + answer <= window:
+            # What cannot be dropped fits without our safety margin — or only
+            # an estimate (on the large side: the backend could not count) of
+            # prompt + answer says it does not, while the prompt alone fits:
+            # send that (all history dropped) and let the backend judge; its
+            # context error is routed like any other.
             if not exc.messages or len(exc.messages) == len(messages):
                 return None
             inbox.trimmed(up, 0)

@@ -42,10 +42,17 @@ class ContextTooLong(Exception):
     """The parts that are never dropped (system prompt + current question) exceed the budget."""
 
     def __init__(
-        self, prompt_tokens: int, budget_tokens: int, messages: Sequence[Message] = ()
+        self,
+        prompt_tokens: int,
+        budget_tokens: int,
+        messages: Sequence[Message] = (),
+        *,
+        estimated: bool = False,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.budget_tokens = budget_tokens
+        # The count is an estimate (which errs on the large side), not the backend's.
+        self.estimated = estimated
         # What is left after dropping every turn (system prompt + question).
         self.messages = list(messages)
         super().__init__(
@@ -216,7 +223,7 @@ async def trim(
     recounts = 0
     while tokens > budget_tokens:
         if cut >= len(groups):
-            raise ContextTooLong(tokens, budget_tokens, kept)
+            raise ContextTooLong(tokens, budget_tokens, kept, estimated=counter.is_estimate)
         freed = 0
         while cut < len(groups) and freed < tokens - budget_tokens:
             freed += turn_tokens[cut]

@@ -272,6 +272,31 @@ async def test_context_too_long_on_the_estimate_path_is_a_400(
     assert line["status"] == 400 and line["outcome"] == "rejected"
 
 
+async def test_an_estimate_just_over_the_window_lets_the_backend_judge(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """/tokenize fails, and only the estimate (chars/3, on the large side) of
+    prompt + max_tokens is over the window while the prompt alone fits: the
+    request goes to the backend (history dropped), it is not refused with a
+    400 the backend would not have given."""
+
+    async def tokenize(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="tokenizer broke")
+
+    fake_upstream.handlers["/tokenize"] = tokenize
+    fake_upstream.handlers[CHAT] = lambda r: stream_words(r, ["fits"])
+    pol = policy(fake_upstream.url, primary_extra={"model": "tiny", "max_model_len": 1024})
+    proxy = await start_proxy(pol)
+    question = {"role": "user", "content": "word " * 120}  # ~200 estimated tokens
+    history = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "turn"}]
+    body = {**CHAT_BODY, "max_tokens": 900, "messages": [*history, question]}
+    async with proxy.session.post(proxy.url + CHAT, json=body) as r:
+        assert r.status == 200
+        assert "fits" in await r.text()
+    [(_, _, sent)] = [(p, h, b) for p, h, b in fake_upstream.requests if p == CHAT]
+    assert json.loads(sent)["messages"] == [question]
+
+
 # --------------------------------------------------------------------------- defect 3
 
 
