@@ -16,12 +16,13 @@ PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q
 setup: $(TEST_STAMP)
 setup-run: $(RUN_STAMP)
 
-# torch first, pinned to the CPU wheel that lies on these machines' disk;
-# a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch first, its CPU build (a bare `torch` requirement would pull a
+# multi-GB CUDA build): a wheel on the machine's disk, else PyTorch's CPU
+# index (scripts/install-torch.sh; TORCH_INDEX=URL overrides it).
 $(RUN_STAMP): pyproject.toml
 	@echo "== installing the proxy, the fallback server and torch (CPU) into $(VENV) (once, about a minute)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PIP) torch==2.13.0
+	@PIP_DISABLE_PIP_VERSION_CHECK=1 scripts/install-torch.sh $(PY)
 	@$(PIP) -e '.[fallback]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@

@@ -37,20 +37,26 @@ def _dry_run(target: str, venv: Path) -> list[str]:
 
 
 def _installs(lines: list[str]) -> list[str]:
-    return [line.split("pip install -q ", 1)[1] for line in lines if "pip install -q " in line]
+    out = []
+    for line in lines:
+        if "scripts/install-torch.sh " in line:
+            out.append("torch (CPU)")
+        elif "pip install -q " in line:
+            out.append(line.split("pip install -q ", 1)[1])
+    return out
 
 
 def test_make_run_installs_only_what_running_needs(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     lines = _dry_run("run", venv)
-    assert _installs(lines) == ["torch==2.13.0", "-e '.[fallback]'"]
+    assert _installs(lines) == ["torch (CPU)", "-e '.[fallback]'"]
     assert lines[-1] == f"PATH={venv}/bin:$PATH scripts/quickstart.sh"
 
 
 def test_make_test_installs_the_test_tools_on_top(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     assert _installs(_dry_run("test", venv)) == [
-        "torch==2.13.0",
+        "torch (CPU)",
         "-e '.[fallback]'",
         "-e '.[fallback,test]'",
     ]
@@ -71,3 +77,13 @@ def test_stamps_skip_what_is_installed(tmp_path: Path) -> None:
     Path(test_stamp).touch()
     assert _installs(_dry_run("test", venv)) == []
     assert _installs(_dry_run("run", venv)) == []
+
+
+def test_torch_is_the_cpu_build_wherever_it_comes_from() -> None:
+    """A bare `torch` on Linux x86-64 is the multi-GB CUDA build: the script
+    takes a wheel on the disk, else PyTorch's CPU index, never plain PyPI first."""
+    script = (ROOT / "scripts/install-torch.sh").read_text()
+    local = script.index("--dry-run --no-index")
+    cpu = script.index("https://download.pytorch.org/whl/cpu")
+    plain = script.rindex('exec "${pip[@]}" "torch==$version"')
+    assert local < cpu < plain
