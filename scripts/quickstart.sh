@@ -20,10 +20,13 @@ TOKEN="$BROWNOUT_ADMIN_TOKEN"
 BROWNOUT="$(command -v brownout)"
 BROWNOUT="${BROWNOUT#"$PWD/"}"
 
-PIDS=()
+# Plain variables, no negative indexes or empty arrays under `set -u`: the
+# bash 3.2 of macOS runs this too.
+FALLBACK_PID=""
+PROXY_PID=""
 cleanup() {
-    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    for pid in $FALLBACK_PID $PROXY_PID; do kill "$pid" 2>/dev/null || true; done
+    for pid in $FALLBACK_PID $PROXY_PID; do wait "$pid" 2>/dev/null || true; done
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -48,13 +51,13 @@ fi
 echo "== starting the fallback server on :$FALLBACK_PORT"
 brownout fallback-server --model "$MODEL_DIR" --served-model-name tiny --port "$FALLBACK_PORT" \
     --max-concurrency 2 &
-PIDS+=($!)
-wait_for "http://127.0.0.1:$FALLBACK_PORT/health" "${PIDS[-1]}" "the fallback server"
+FALLBACK_PID=$!
+wait_for "http://127.0.0.1:$FALLBACK_PORT/health" "$FALLBACK_PID" "the fallback server"
 
 echo "== starting the proxy on :$PORT (policies/quickstart.yaml)"
 brownout serve --config policies/quickstart.yaml &
-PIDS+=($!)
-wait_for "$URL/healthz" "${PIDS[-1]}" "the proxy"
+PROXY_PID=$!
+wait_for "$URL/healthz" "$PROXY_PID" "the proxy"
 
 cat <<MSG
 
@@ -74,4 +77,4 @@ $BROWNOUT reload --url $URL --token $TOKEN
 Ctrl-C stops everything.
 
 MSG
-wait "${PIDS[-1]}"
+wait "$PROXY_PID"
