@@ -48,8 +48,8 @@ from proxy.telemetry.metrics import TIER_VALUES, Metrics
 
 log = structlog.get_logger("brownout.policy")
 
-# A replaced generation's resources are closed when its requests are done,
-# or after this long at most (a stream can run for minutes).
+# A replaced generation's resources are closed when its requests are done;
+# one still draining after this long is logged (a stream can run for minutes).
 _DRAIN_LIMIT_S = 900.0
 
 
@@ -311,7 +311,7 @@ class ProxyState:
 
     async def _drain(self, old: Runtime) -> None:
         now = time.monotonic()
-        deadline = now + _DRAIN_LIMIT_S
+        warn_at: float | None = now + _DRAIN_LIMIT_S
         # A request takes its generation when its headers arrive but counts
         # itself in flight only once its body is read: one that was still
         # sending its body at the swap is not in `inflight` yet, and closing
@@ -319,10 +319,18 @@ class ProxyState:
         # generation for as long as a body may take (it then counts, or 408s).
         settled = now + old.policy.server.body_timeout_s + 0.5
         # A poll, not an event: in-flight counts change on the hot path, which
-        # should not pay for waking a drainer.
-        while (old.inflight > 0 or time.monotonic() < settled) and (  # noqa: ASYNC110
-            time.monotonic() < deadline
-        ):
+        # should not pay for waking a drainer. No deadline: closing the old
+        # backends would cut a long answer mid-stream, and every request is
+        # bounded by its backend's idle timeout anyway; a drain that lasts
+        # says so once.
+        while old.inflight > 0 or time.monotonic() < settled:
+            if warn_at is not None and time.monotonic() >= warn_at:
+                log.warning(
+                    "generation_still_draining",
+                    inflight=old.inflight,
+                    after_s=round(time.monotonic() - now),
+                )
+                warn_at = None
             await asyncio.sleep(0.2)
         self.live.remove(old)
         await self._close_unused(old, keep=self.live)

@@ -15,11 +15,16 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+import structlog
+from aiohttp import web
+
+import proxy.runtime.state as state_module
 from proxy.policy import load_policy
 from proxy.runtime.keys import STATE
 from proxy.runtime.loops import changed, merge
 from proxy.server import _reload_on_sighup
-from tests.integration.conftest import FakeUpstream, ProxyFactory
+from tests.integration.conftest import CHAT_BODY, FakeUpstream, ProxyFactory, chunk
 from tests.integration.test_reload_state import status, wait_for, write
 from tests.integration.test_sessions_flow import metric
 
@@ -94,3 +99,50 @@ def test_a_file_missing_for_a_moment_is_no_change() -> None:
     assert changed((a, b), (a, (3.0, 11)))
     assert merge((a, b), (a, None)) == (a, b)
     assert changed((a,), (a, b))  # the reload named an FAQ file
+
+
+async def test_a_stream_longer_than_the_drain_limit_is_not_cut_by_a_reload(
+    fake_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload replaces the generation; the old one's backends used to be
+    closed after a fixed 15 minutes whatever was still streaming. Now it
+    lives until its last request ends and says once that it is still
+    draining (the limit is shortened here)."""
+    monkeypatch.setattr(state_module, "_DRAIN_LIMIT_S", 0.3)
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(8):
+            await resp.write(chunk(f"w{i} "))
+            await asyncio.sleep(0.15)
+        await resp.write(chunk("", "stop") + b"data: [DONE]\n\n")
+        return resp
+
+    fake_upstream.handlers["/v1/chat/completions"] = slow
+    path = tmp_path / "policy.yaml"
+    body = "  body_timeout_s: 0.5\n"  # how long a drain waits for bodies in flight
+    write(path, fake_upstream.url, server=body)
+    proxy = await start_proxy(load_policy(path))
+    state = proxy.app[STATE]
+    with structlog.testing.capture_logs() as logs:
+        async with proxy.session.post(proxy.url + "/v1/chat/completions", json=CHAT_BODY) as resp:
+            assert resp.status == 200
+            first = await resp.content.readline()
+            assert first.startswith(b"data: ")
+            # A new pool for the primary: the old generation's must be closed, later.
+            write(path, fake_upstream.url, server=body, primary="    pool: {max_connections: 8}\n")
+            assert (await state.reload("test"))["ok"]
+            rest = await resp.content.read()
+        text = (first + rest).decode()
+        assert all(f"w{i} " in text for i in range(8)), text
+        assert text.rstrip().endswith("data: [DONE]")
+
+        async def drained() -> bool:
+            return len(state.live) == 1
+
+        await wait_for(drained, "the old generation to be closed after its stream")
+    assert [e for e in logs if e["event"] == "generation_still_draining"]
