@@ -222,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="batched engine: capture CUDA graphs (auto: on with --device cuda)",
     )
     fb.add_argument(
+        "--side-slots",
+        metavar="N",
+        type=int,
+        default=2,
+        help="batched engine: threads running the requests continuous batching cannot honour "
+        "(logprobs, response_format, forced tool calls, logit_bias, penalties, min_tokens); "
+        "0: those fields are refused with a 400",
+    )
+    fb.add_argument(
         "--max-concurrency",
         metavar="N",
         type=int,

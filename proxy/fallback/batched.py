@@ -14,9 +14,32 @@ in the library. Greedy requests sample at a temperature of 1e-6 (all
 probability on the argmax: the library's sampling flag is per manager, not
 per request).
 
-Not honoured here (see `Capabilities`): logprobs (the library only reports
-the chosen token's probability after the warpers), per-request logits
-processors, repetition_penalty, min_tokens.
+What continuous batching cannot honour runs in a side lane (design (2)):
+logprobs/top_logprobs, response_format json_object/json_schema, forced tool
+calls, logit_bias, presence/frequency penalties, repetition_penalty and
+min_tokens. Such a request runs on a small pool of thread-per-slot
+`model.generate()` calls (`workers.ThreadEngine`, `--side-slots`, default 2)
+on the same model, inside the same admission slots and /metrics counts
+(`vllm:num_requests_running`: generating in either lane; `..._waiting`: also
+those queued for a side thread), cancelled the same way (one still waiting
+for a thread ends at once). Seeded requests in the side lane sample with
+`cbsampler`'s hash: reproducible there, and mostly the batch's text for the
+same seed (not always: the two forward passes round differently).
+The side lane's KV (Transformers' dynamic cache) is outside the batch's
+paged budget; on CUDA the planned budget leaves half the free memory.
+
+Why not in-batch: the library's per-request processors get one int32 per
+row and a `prepare_tensor_args` call on the host, which would do for a
+grammar bitmask held aside, but on CUDA (graphs on) the manager runs
+asynchronously: batch N+1 is prepared before batch N's tokens are back, so
+a host-side xgrammar matcher cannot know the token its next mask follows.
+Its `return_logprobs` gives only the chosen token's log-probability after
+the warpers (no raw logprobs, no top_logprobs). And logit_bias/penalties are
+per-request Transformers processors, which it does not take. With
+`--side-slots 0` those fields are a 400 naming them and are advertised off
+(`Capabilities`); the side lane is also off when the library switched the
+model to a paged-only attention (`paged|eager`), which plain `generate()`
+cannot use.
 """
 
 from __future__ import annotations
@@ -28,7 +51,7 @@ import logging
 import math
 import queue
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import structlog
@@ -37,7 +60,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from proxy.fallback import cbsampler
-from proxy.fallback.engine import Engine
+from proxy.fallback.engine import MAX_TOP_LOGPROBS, Engine
 from proxy.fallback.interface import (
     Capabilities,
     Delta,
@@ -51,7 +74,7 @@ from proxy.fallback.interface import (
     Outcome,
 )
 from proxy.fallback.tokentext import TokenText
-from proxy.fallback.workers import TokenizerPool
+from proxy.fallback.workers import ThreadEngine, TokenizerPool
 
 log = structlog.get_logger("brownout.fallback.batched")
 
@@ -62,20 +85,25 @@ GREEDY_TEMPERATURE = 1e-6
 PAGE_SIZE = 256
 
 
-def capabilities(*, seed: bool) -> Capabilities:
+def capabilities(*, seed: bool, side_lane: bool) -> Capabilities:
+    """In the batch: seed (`cbsampler`); with a side lane: everything the threads engine does."""
     return Capabilities(
         engine="batched",
-        seed=seed,
-        logprobs=False,
-        max_top_logprobs=0,
-        logits_processors=False,
-        repetition_penalty=False,
-        min_tokens=False,
+        seed=seed or side_lane,
+        logprobs=side_lane,
+        max_top_logprobs=MAX_TOP_LOGPROBS if side_lane else 0,
+        logits_processors=side_lane,
+        repetition_penalty=side_lane,
+        min_tokens=side_lane,
     )
 
 
+#: What the batch itself honours (the side lane takes whatever needs more).
+IN_BATCH = capabilities(seed=True, side_lane=False)
+
+
 def unsupported_fields(spec: GenerationSpec, caps: Capabilities) -> list[str]:
-    """Request fields of `spec` this engine cannot honour (the handler's 400 names them)."""
+    """Request fields of `spec` that `caps` cannot honour (the handler's 400 names them)."""
     params = spec.params
     fields = []
     if spec.logprobs is not None and not caps.logprobs:
@@ -89,6 +117,12 @@ def unsupported_fields(spec: GenerationSpec, caps: Capabilities) -> list[str]:
     if params.seed is not None and params.temperature > 0 and not caps.seed:
         fields.append("seed")
     return fields
+
+
+def side_lane_usable(model: Any) -> bool:
+    """Plain `generate()` works with the attention the manager left the model on."""
+    implementation = str(getattr(model.config, "_attn_implementation", "") or "")
+    return not implementation.startswith("paged")
 
 
 @dataclass
@@ -112,7 +146,9 @@ class BatchedEngine:
         max_model_len: int,
         max_batch_tokens: int | None = None,
         use_cuda_graph: bool | None = None,
+        side_slots: int = 2,
     ) -> None:
+        """`side_slots`: threads of the side lane (0: no side lane, see the module doc)."""
         self._engine = engine
         self._max_running = max_running
         self._max_model_len = max_model_len
@@ -148,15 +184,25 @@ class BatchedEngine:
             generation_config=generation_config, continuous_batching_config=cb_config
         )
         self._sampler = cbsampler.install(self._manager.logit_processor)
-        self._capabilities = capabilities(seed=self._sampler is not None)
+        self._batch_caps = replace(IN_BATCH, seed=self._sampler is not None)
         with torch.inference_mode():
             self._manager.warmup()
             self._manager.start()  # the loop thread inherits inference mode
+        self._side: ThreadEngine | None = None
+        if side_slots > 0 and side_lane_usable(model):
+            self._side = ThreadEngine(
+                engine, side_slots, gumbel_seed=True, thread_name_prefix="side"
+            )
+        self._capabilities = capabilities(
+            seed=self._sampler is not None, side_lane=self._side is not None
+        )
         log.info(
             "batched_engine",
             max_running=max_running,
             kv_tokens=kv_tokens,
             seeded_sampling=self._sampler is not None,
+            side_slots=side_slots if self._side is not None else 0,
+            attention=str(getattr(model.config, "_attn_implementation", "")),
         )
 
     # --- the interface ----------------------------------------------------------------------
@@ -178,18 +224,21 @@ class BatchedEngine:
 
     def load(self) -> Load:
         waiting = self._engine_waiting()
+        side = Load() if self._side is None else self._side.load()
         return Load(
-            running=max(len(self._active) - waiting, 0),
-            waiting=waiting,
+            running=max(len(self._active) - waiting, 0) + side.running,
+            waiting=waiting + side.waiting,
             kv_cache_usage=self._kv_usage(),
         )
 
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         if self._closing or not self._manager.is_running():
             raise EngineClosed
-        unsupported = unsupported_fields(spec, self._capabilities)
-        if unsupported:
-            raise ValueError(f"the batched engine cannot honour {', '.join(unsupported)}")
+        if unsupported_fields(spec, self._batch_caps):
+            unsupported = unsupported_fields(spec, self._capabilities)
+            if unsupported or self._side is None:
+                raise ValueError(f"the batched engine cannot honour {', '.join(unsupported)}")
+            return self._side.submit(spec, observer)
         self._drain_orphans()
         request_id = f"brownout-{next(self._ids)}"
         loop = asyncio.get_running_loop()
@@ -214,9 +263,13 @@ class BatchedEngine:
         self._closing = True
         for request in list(self._active.values()):
             request.generation.cancel()
+        if self._side is not None:
+            self._side.cancel_all()
 
     async def close(self) -> None:
         self.cancel_all()
+        if self._side is not None:
+            await self._side.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, lambda: self._manager.stop(block=True, timeout=10))
         self._tokenizer.shutdown()

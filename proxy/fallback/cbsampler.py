@@ -56,6 +56,22 @@ def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def gumbel_pick(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Rows with a key >= 0: only the Gumbel-max pick stays finite; other rows unchanged.
+
+    `scores` [rows, vocab] (already warped), `keys` [rows] int64 (`row_key`, or -1).
+    """
+    vocab = scores.shape[1]
+    seeded = keys >= 0
+    ids = torch.arange(vocab, device=scores.device, dtype=torch.int64)
+    bits = _mix_tensor(keys.clamp(min=0).unsqueeze(-1) * vocab + ids)  # [rows, vocab]
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)  # in (0, 1)
+    gumbel = -torch.log(-torch.log(uniform))
+    choice = torch.argmax(scores.float() + gumbel, dim=-1, keepdim=True)
+    only = torch.full_like(scores, float("-inf")).scatter_(1, choice, 0.0)
+    return torch.where(seeded.unsqueeze(-1), only, scores)
+
+
 class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
     def __init__(self) -> None:
         self.supported_kwargs = {SEED_KWARG: int}
@@ -86,16 +102,7 @@ class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
         return torch.tensor(keys, dtype=torch.int32, device="cpu")
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        rows, vocab = scores.shape
-        keys = tensor_arg[:rows].to(torch.int64)
-        seeded = keys >= 0
-        ids = torch.arange(vocab, device=scores.device, dtype=torch.int64)
-        bits = _mix_tensor(keys.clamp(min=0).unsqueeze(-1) * vocab + ids)  # [rows, vocab]
-        uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)  # in (0, 1)
-        gumbel = -torch.log(-torch.log(uniform))
-        choice = torch.argmax(scores.float() + gumbel, dim=-1, keepdim=True)
-        only = torch.full_like(scores, float("-inf")).scatter_(1, choice, 0.0)
-        return torch.where(seeded.unsqueeze(-1), only, scores)
+        return gumbel_pick(scores, tensor_arg[: scores.shape[0]].to(torch.int64))
 
 
 def install(processors: Any) -> SeededGumbelSampler | None:

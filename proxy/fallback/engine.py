@@ -33,6 +33,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
+from proxy.fallback import cbsampler
 from proxy.fallback.interface import Delta, Finished, GenerationSpec, Outcome, TokenLogprob
 from proxy.fallback.protocol import Message, SamplingParams
 from proxy.fallback.tokentext import TokenText
@@ -227,11 +228,20 @@ class Engine:
             ignore_eos_ids=self.eos_token_ids if spec.params.ignore_eos else frozenset(),
         )
 
-    def generate(self, spec: GenerationSpec, cancel: threading.Event, emit: Emit) -> Finished:
+    def generate(
+        self,
+        spec: GenerationSpec,
+        cancel: threading.Event,
+        emit: Emit,
+        *,
+        gumbel_seed: bool = False,
+    ) -> Finished:
         """Generate up to `spec.max_tokens`, calling `emit` per token; blocks the calling thread.
 
         Returns when the model stops, a stop string or the limit is reached, or
-        soon after `cancel` is set (checked after every token).
+        soon after `cancel` is set (checked after every token). `gumbel_seed`:
+        a seeded request samples as the batched engine does (`cbsampler`), so
+        the batched engine's side lane gives the same text for the same seed.
         """
         params, max_tokens = spec.params, spec.max_tokens
         text = self.token_text(spec)
@@ -257,7 +267,10 @@ class Engine:
             processors.append(capture)
         processors.extend(factory() for factory in spec.logits_processors)
         if params.temperature > 0:
-            processors.append(_SeededSampler(params, spec.seed, self.device))
+            if gumbel_seed and spec.seed is not None:
+                processors.append(_GumbelSampler(params, spec.seed))
+            else:
+                processors.append(_SeededSampler(params, spec.seed, self.device))
         input_ids = torch.tensor([list(spec.prompt_ids)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             self._model.generate(
@@ -335,6 +348,32 @@ class _StopFlag(StoppingCriteria):
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
+def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
+    warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
+
+
+class _GumbelSampler(LogitsProcessor):
+    """Seeded sampling by `cbsampler`'s Gumbel-max hash: the batched engine's choice."""
+
+    def __init__(self, params: SamplingParams, seed: int) -> None:
+        self._warpers = _warpers(params)
+        self._seed = seed
+        self._index = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self._warpers:
+            scores = warper(input_ids, scores)
+        key = cbsampler.row_key(self._seed, self._index)
+        self._index += 1
+        keys = torch.full((scores.shape[0],), key, dtype=torch.int64, device=scores.device)
+        return cbsampler.gumbel_pick(scores, keys)
+
+
 class _SeededSampler(LogitsProcessor):
     """Samples the next token with a per-request generator, then masks all others.
 
@@ -346,11 +385,7 @@ class _SeededSampler(LogitsProcessor):
     """
 
     def __init__(self, params: SamplingParams, seed: int | None, device: torch.device) -> None:
-        self._warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
-        if params.top_k > 0:
-            self._warpers.append(TopKLogitsWarper(params.top_k))
-        if params.top_p < 1.0:
-            self._warpers.append(TopPLogitsWarper(params.top_p))
+        self._warpers = _warpers(params)
         self._generator = torch.Generator(device=device)
         if seed is None:
             self._generator.seed()

@@ -33,6 +33,8 @@ log = structlog.get_logger("brownout.fallback")
 
 # Room for long prompts: 32k tokens of JSON-escaped text is well under this.
 _MAX_BODY_BYTES = 16 * 1024 * 1024
+# The batched engine's side lane: threads for what continuous batching cannot honour.
+DEFAULT_SIDE_SLOTS = 2
 # Bounded so a stuck client cannot hold shutdown for aiohttp's default 60 s.
 _SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -78,6 +80,9 @@ def check_limits(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
+    side_slots = getattr(args, "side_slots", DEFAULT_SIDE_SLOTS)
+    if side_slots < 0:
+        raise ValueError(f"--side-slots must be at least 0, got {side_slots}")
 
 
 def settings_from_args(
@@ -143,6 +148,7 @@ def build_generator(args: argparse.Namespace, engine: Engine) -> tuple[Settings,
             max_model_len=settings.max_model_len,
             max_batch_tokens=planned.max_batch_tokens,
             use_cuda_graph=_cuda_graphs(args, engine),
+            side_slots=getattr(args, "side_slots", DEFAULT_SIDE_SLOTS),
         )
     else:
         generator = ThreadEngine(engine, planned.max_running, kv_token_budget=planned.kv_tokens)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import structlog
@@ -25,6 +25,7 @@ from proxy.fallback.interface import (
     Capabilities,
     EngineClosed,
     EngineName,
+    Finished,
     Generation,
     GenerationFailed,
     GenerationSpec,
@@ -65,10 +66,22 @@ class TokenizerPool:
 
 
 class ThreadEngine:
-    def __init__(self, engine: Engine, max_concurrency: int, *, kv_token_budget: int = 0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_concurrency: int,
+        *,
+        kv_token_budget: int = 0,
+        gumbel_seed: bool = False,
+        thread_name_prefix: str = "generate",
+    ) -> None:
+        """`gumbel_seed`: seeded sampling as the batched engine's (its side lane sets it)."""
         self._engine = engine
         self._max_running = max_concurrency
-        self._generate_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="generate")
+        self._gumbel_seed = gumbel_seed
+        self._generate_pool = ThreadPoolExecutor(
+            max_concurrency, thread_name_prefix=thread_name_prefix
+        )
         self._tokenizer = TokenizerPool()
         self._active: dict[Generation, int] = {}  # generation -> its token budget (prompt + max)
         self._closing = False
@@ -94,7 +107,10 @@ class ThreadEngine:
         # HF's dynamic cache grows per token; the reserved worst case is what can run out.
         reserved = sum(self._active.values())
         usage = min(reserved / self._kv_token_budget, 1.0) if self._kv_token_budget else 0.0
-        return Load(running=len(self._active), waiting=0, kv_cache_usage=usage)
+        # More generations than threads (the batched engine's side lane shares the
+        # admission's slots): the rest wait for a thread.
+        running = min(len(self._active), self._max_running)
+        return Load(running=running, waiting=len(self._active) - running, kv_cache_usage=usage)
 
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         """Start generating on a worker thread; the caller holds a concurrency slot."""
@@ -102,20 +118,34 @@ class ThreadEngine:
             # A queued request admitted during shutdown must not start a fresh generation.
             raise EngineClosed
         loop = asyncio.get_running_loop()
-        generation = Generation(loop, observer)
-        future = loop.run_in_executor(self._generate_pool, self._run, generation, spec)
+        queued: list[Future[None]] = []
+
+        def dequeue() -> None:
+            # Still waiting for a thread (more generations than threads): it ends now.
+            if queued and queued[0].cancel():
+                generation.deliver(Finished("abort", 0))
+
+        generation = Generation(loop, observer, on_cancel=dequeue)
+        work = self._generate_pool.submit(self._run, generation, spec)
+        queued.append(work)
         self._active[generation] = len(spec.prompt_ids) + spec.max_tokens
 
         def finished(_: asyncio.Future[None]) -> None:
             self._active.pop(generation, None)
-            generation.done.set_result(None)
+            if not generation.done.done():
+                generation.done.set_result(None)
 
-        future.add_done_callback(finished)
+        asyncio.wrap_future(work, loop=loop).add_done_callback(finished)
         return generation
 
     def _run(self, generation: Generation, spec: GenerationSpec) -> None:
+        if generation.cancel_flag.is_set():  # cancelled while waiting for a thread
+            generation.post(Finished("abort", 0))
+            return
         try:
-            outcome = self._engine.generate(spec, generation.cancel_flag, generation.post)
+            outcome = self._engine.generate(
+                spec, generation.cancel_flag, generation.post, gumbel_seed=self._gumbel_seed
+            )
         except Exception as exc:  # reported to the client as a server error, never lost
             log.exception("generation_failed")
             generation.post(exc)

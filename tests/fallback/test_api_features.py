@@ -1,20 +1,59 @@
-"""The API the fallback claims, through the official `openai` client (threads engine).
+"""The API the fallback claims, through the official `openai` client, on both engines.
 
 logprobs in OpenAI's shapes, n choices, stop strings (streamed, split across
 tokens), seeds, structured output through xgrammar, tools rendered by the
-chat template and tool calls parsed back.
+chat template and tool calls parsed back. Every test runs on the threads
+engine (the session server) and on the batched engine, whose side lane
+serves what continuous batching cannot (logprobs, grammars, penalties, ...).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.fallback.conftest import FallbackServer, RawStream, long_stream_body
+from tests.fallback.conftest import (
+    FallbackServer,
+    RawStream,
+    long_stream_body,
+    start_server,
+    stop_server,
+)
 from tests.harness.procs import http_json
+
+
+@pytest.fixture(scope="module", params=("threads", "batched"))
+def api_server(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[FallbackServer]:
+    if request.param == "threads":
+        yield request.getfixturevalue("fallback_server")
+        return
+    log_path = tmp_path_factory.mktemp("api-batched") / "server.log"
+    args = ["--engine", "batched", "--max-concurrency", "1", "--max-queue", "1"]
+    server = start_server(tiny_model_dir, log_path, args)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture
+def server(api_server: FallbackServer) -> Iterator[FallbackServer]:
+    """This module's server for the engine at hand, checked idle before and after each test."""
+    assert api_server.proc.poll() is None, api_server.log_tail()
+    yield api_server
+    api_server.wait_metric("vllm:num_requests_running", 0, timeout=10)
+    api_server.wait_metric("vllm:num_requests_waiting", 0, timeout=10)
+
 
 ASK: tuple[ChatCompletionMessageParam, ...] = (
     {"role": "user", "content": "What is the weather in Paris?"},
@@ -203,7 +242,9 @@ def test_stop_split_across_tokens_is_cut_in_the_stream(
                 break
     else:
         raise AssertionError(f"no two-token stop string in {tokens!r}")
-    stream = _chat(client, server, **params, stop=[stop], stream=True)
+    # logprobs here too: the batched engine then serves both from its side lane
+    # (a seed's text across its two lanes can differ by rounding).
+    stream = _chat(client, server, **params, stop=[stop], stream=True, logprobs=True)
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text[:index]

@@ -48,12 +48,21 @@ CHOICES: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module", params=("threads", "batched"))
+# The engines under their defaults, and the batched one without its side lane
+# (then only what continuous batching itself honours is advertised).
+SERVERS = {
+    "threads": ["--engine", "threads"],
+    "batched": ["--engine", "batched"],
+    "batched-no-side-lane": ["--engine", "batched", "--side-slots", "0"],
+}
+
+
+@pytest.fixture(scope="module", params=tuple(SERVERS))
 def engine_server(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FallbackServer]:
     log_path = tmp_path_factory.mktemp(f"caps-{request.param}") / "server.log"
-    server = start_server(tiny_model_dir, log_path, ["--engine", request.param])
+    server = start_server(tiny_model_dir, log_path, SERVERS[request.param])
     try:
         yield server
     finally:
@@ -231,3 +240,24 @@ def test_every_advertised_capability_is_exercised(engine_server: FallbackServer)
     for key, exercise in EXERCISES.items():
         exercise(engine_server, caps[key], caps)
     engine_server.wait_metric("vllm:num_requests_running", 0, timeout=10)
+
+
+def test_both_engines_advertise_the_whole_api_by_default(engine_server: FallbackServer) -> None:
+    """Issue 15's list, on either engine; without the side lane the batched one says less."""
+    caps = _caps(engine_server)
+    full = "--side-slots" not in engine_server.proc.args  # type: ignore[operator]
+    assert caps["logprobs"] is full
+    assert caps["max_top_logprobs"] == (20 if full else 0)
+    assert caps["seed"] is True
+    assert caps["n"] is True
+    assert caps["stop"] is True
+    assert caps["tools"] is True
+    structured = ["text", "json_object", "json_schema"] if full else ["text"]
+    assert caps["response_format"] == structured
+    forced = ["none", "auto", "required", "function"] if full else ["none", "auto"]
+    assert caps["tool_choice"] == forced
+    for flag in ("logit_bias", "penalties", "repetition_penalty", "min_tokens"):
+        assert caps[flag] is full, flag
+    honoured = set(caps["chat_completions"]["honoured"])
+    gated = {"logprobs", "top_logprobs", "logit_bias", "presence_penalty", "min_tokens"}
+    assert gated <= honoured if full else not gated & honoured

@@ -116,6 +116,44 @@ def test_disconnect_frees_the_slot_at_once(server: FallbackServer) -> None:
     assert body["usage"]["completion_tokens"] == 4
 
 
+def test_side_lane_shares_admission_and_metrics_and_frees_on_disconnect(
+    server: FallbackServer,
+) -> None:
+    """Requests continuous batching cannot honour (here logprobs) still count and cancel.
+
+    The batched engine runs them on its side lane (2 threads by default): a
+    third one waits for a thread, counted as waiting, and its client leaving
+    ends it at once. The threads engine runs all of them.
+    """
+    name = server.served_model_name
+    _, models = http_json("GET", server.url + "/v1/models")
+    batched = models["data"][0]["capabilities"]["engine"] == "batched"
+    plain = RawStream(server, "/v1/chat/completions", _long_stream(name))
+    side = [
+        RawStream(
+            server, "/v1/chat/completions", _long_stream(name, f"Go {i}") | {"logprobs": True}
+        )
+        for i in range(3)
+    ]
+    try:
+        _first_content(plain)
+        for stream in side[:2]:
+            _first_content(stream)
+        assert side[2].response.status == 200  # admitted
+        if not batched:
+            _first_content(side[2])
+        assert server.metric("vllm:num_requests_running") == (3 if batched else 4)
+        assert server.metric("vllm:num_requests_waiting") == (1 if batched else 0)
+        side[2].close()
+        if batched:  # left while waiting for a side thread: gone at once, the others run on
+            assert server.wait_metric("vllm:num_requests_waiting", 0, timeout=5) < 1.0
+            assert server.metric("vllm:num_requests_running") == 3
+    finally:
+        for stream in [plain, *side]:
+            stream.close()
+    assert server.wait_metric("vllm:num_requests_running", 0, timeout=5) < 2.0
+
+
 def test_continuation_continues_the_partial_assistant_message(server: FallbackServer) -> None:
     prefix = "Once upon a time, there was a small village"
     messages = [*STORY, {"role": "assistant", "content": prefix}]
@@ -157,6 +195,32 @@ def test_same_seed_same_text_while_sharing_the_engine(server: FallbackServer) ->
         other.close()
     assert shared == alone
     assert sample(6) != alone
+
+
+def test_seeded_side_lane_requests_are_reproducible(server: FallbackServer) -> None:
+    """On the batched engine logprobs move a request to the side lane; its seed holds there.
+
+    (It samples with the batch's hash too, so the text mostly matches the
+    batch's for the same seed, but not always: the two forward passes round
+    differently, and the tiny model's near-flat distributions flip on that.)
+    """
+    body = {"messages": STORY, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True,
+            "logprobs": True}  # fmt: skip
+
+    def sample(seed: int) -> str:
+        status, answer = server.post("/v1/chat/completions", body | {"seed": seed})
+        assert status == 200, answer
+        assert len(answer["choices"][0]["logprobs"]["content"]) == 24
+        return str(answer["choices"][0]["message"]["content"])
+
+    first = sample(3)
+    other = RawStream(server, "/v1/chat/completions", _long_stream(server.served_model_name))
+    try:
+        _first_content(other)  # the batch is busy meanwhile
+        assert sample(3) == first
+    finally:
+        other.close()
+    assert sample(4) != first
 
 
 def test_metrics_keep_vllm_names_fed_by_the_engine(server: FallbackServer) -> None:

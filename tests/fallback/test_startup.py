@@ -54,3 +54,9 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_model_dir: Path) -> None
     result = _run("--model", str(tiny_model_dir), "--max-model-len", "999999", "--port", "9")
     assert result.returncode == 2
     assert "--max-model-len" in _last_line(result.stderr)
+
+
+def test_negative_side_slots_are_refused_before_loading(tmp_path: Path) -> None:
+    result = _run("--model", str(tmp_path / "absent"), "--side-slots", "-1", "--port", "9")
+    assert result.returncode == 2
+    assert "--side-slots must be at least 0" in _last_line(result.stderr)
