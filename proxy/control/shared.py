@@ -4,7 +4,9 @@ What is shared, and how:
 - a breaker that opens on one replica is opened on the others (written as
   `{prefix}breaker:{backend}` = `{"at": unix time, "by": replica, "reason"}`
   with a TTL of the reset timeout), so one replica's evidence protects all;
-  each replica then recovers on its own probes;
+  each replica then recovers on its own probes; a per-model breaker (a
+  multi-model `openai` backend) the same way, as
+  `{prefix}breaker:{backend}:model:{model}`;
 - a forced tier (`POST /brownout/tier`) is written to `{prefix}forced` and
   followed by every replica; releasing it deletes the key.
 
@@ -30,6 +32,9 @@ from redis.exceptions import RedisError
 from proxy.policy import SharedPolicy
 
 log = structlog.get_logger("brownout.shared")
+
+# A breaker: (backend, None), or (backend, model) for a per-model one.
+BreakerId = tuple[str, str | None]
 
 
 class SharedState:
@@ -64,13 +69,19 @@ class SharedState:
         self.last_error = None
         return result
 
-    async def publish_breaker_open(self, backend: str, reason: str, ttl_s: float) -> None:
+    def _breaker_key(self, backend: str, model: str | None) -> str:
+        if model is None:
+            return f"{self._p}breaker:{backend}"
+        return f"{self._p}breaker:{backend}:model:{model}"
+
+    async def publish_breaker_open(
+        self, backend: str, reason: str, ttl_s: float, model: str | None = None
+    ) -> None:
         now = time.time()
-        self._seen_breakers[backend] = now
+        key = self._breaker_key(backend, model)
+        self._seen_breakers[key] = now
         value = json.dumps({"at": now, "by": self.replica, "reason": reason})
-        await self._run(
-            self.client.set(f"{self._p}breaker:{backend}", value, px=max(1, int(ttl_s * 1000)))
-        )
+        await self._run(self.client.set(key, value, px=max(1, int(ttl_s * 1000))))
 
     async def publish_forced(self, tier: str | None) -> None:
         self._seen_forced = tier
@@ -80,12 +91,16 @@ class SharedState:
         else:
             await self._run(self.client.set(key, json.dumps({"tier": tier, "by": self.replica})))
 
-    async def read(self, backends: list[str]) -> tuple[dict[str, dict[str, Any]], str | None, bool]:
-        """(breakers opened elsewhere, forced tier, whether the read worked)."""
+    async def read(
+        self, breakers: list[BreakerId]
+    ) -> tuple[dict[BreakerId, dict[str, Any]], str | None, bool]:
+        """(breakers opened elsewhere, forced tier, whether the read worked);
+        a breaker is (backend, None) or, per model, (backend, model)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.get(f"{self._p}forced")
-        for b in backends:
-            pipe.get(f"{self._p}breaker:{b}")
+        keys = [self._breaker_key(b, m) for b, m in breakers]
+        for key in keys:
+            pipe.get(key)
         values = await self._run(pipe.execute())
         if values is None:
             return {}, None, False
@@ -96,17 +111,18 @@ class SharedState:
                 forced = json.loads(forced_raw)["tier"]
             except (ValueError, KeyError, TypeError):
                 forced = None
-        opened: dict[str, dict[str, Any]] = {}
-        for b, raw in zip(backends, breaker_raw, strict=True):
+        opened: dict[BreakerId, dict[str, Any]] = {}
+        for b, key, raw in zip(breakers, keys, breaker_raw, strict=True):
             if not raw:
                 continue
             try:
                 info = json.loads(raw)
-            except ValueError:
+                at = float(info.get("at", 0))
+            except (ValueError, TypeError, AttributeError):
                 continue
-            if info.get("by") != self.replica and info.get("at", 0) > self._seen_breakers.get(b, 0):
+            if info.get("by") != self.replica and at > self._seen_breakers.get(key, 0):
                 opened[b] = info
-                self._seen_breakers[b] = float(info["at"])
+                self._seen_breakers[key] = at
         return opened, forced, True
 
     def forced_changed(self, forced: str | None) -> bool:

@@ -26,7 +26,7 @@ from proxy.control.breaker import STATE_VALUES, Permit
 from proxy.control.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
-from proxy.control.shared import SharedState
+from proxy.control.shared import BreakerId, SharedState
 from proxy.guard.compiled import Guard
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities
 from proxy.runtime.status import status_of
@@ -150,15 +150,23 @@ class Runtime:
         shared = self.shared
         if shared is None:
             return
-        opened, forced, ok = await shared.read(list(self.upstreams))
+        breakers: list[BreakerId] = []
+        for name, up in self.upstreams.items():
+            breakers.append((name, None))
+            if up.per_model:
+                breakers.extend((name, m) for m in up.served_models)
+        opened, forced, ok = await shared.read(breakers)
         self._applying_remote = True
         try:
-            for name, info in opened.items():
-                up = self.upstreams.get(name)
-                if up is not None and up.breaker.state == "closed":
-                    up.breaker.force_open(
-                        f"opened by replica {info.get('by')}: {info.get('reason', '')}"
-                    )
+            for (name, model), info in opened.items():
+                target = self.upstreams.get(name)
+                if target is None:
+                    continue
+                b = target.breaker if model is None else target.breaker_for(model)
+                if model is not None and b is target.breaker:
+                    continue  # the backend's own breaker is not closed: it gates the model
+                if b.state == "closed":
+                    b.force_open(f"opened by replica {info.get('by')}: {info.get('reason', '')}")
             if ok and shared.forced_changed(forced):
                 self.force_tier(forced if forced in TIERS else None)
         finally:
@@ -310,6 +318,11 @@ class Runtime:
             return  # just created
         self.metrics.model_breaker_transitions.labels(name, model, old, new).inc()
         log.warning("breaker_changed", backend=name, model=model, old=old, new=new, reason=reason)
+        if new == "open" and self.shared is not None and not self._applying_remote:
+            ttl = self.policy.ladder.breaker.reset_timeout_s
+            publish = self.shared.publish_breaker_open(name, reason, ttl, model=model)
+            with contextlib.suppress(RuntimeError):
+                self.spawn(publish, "shared_publish")
         # All of a backend's models out makes it unavailable: the ladder looks.
         with contextlib.suppress(RuntimeError):
             self.evaluate_soon()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from proxy.runtime.keys import STATE
 from tests.integration.conftest import (
     CHAT_BODY,
     FakeUpstream,
@@ -119,3 +120,44 @@ async def test_redis_down_replicas_keep_serving_on_local_state(
             assert "brownout_shared_state_up 0.0" in await resp.text()
     redis_server.start()
     await eventually(a, lambda s: s["shared"]["healthy"] is True, 3)
+
+
+async def test_a_model_breaker_reaches_the_other_replica_and_only_that_model(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, redis_server: PrivateRedis
+) -> None:
+    """Per-model breakers (a multi-model `openai` backend) are shared like the
+    backend's own: model-a opened on A is opened on B; model-b stays closed on
+    both, and the backend itself stays closed (before, only backend breakers
+    were shared and B kept sending model-a's traffic to the failing model)."""
+    from tests.integration.test_ladder_flow import ladder_policy
+    from tests.integration.test_model_breakers import TWO_MODELS, fail, serve_models
+
+    serve_models(fake_upstream, TWO_MODELS)
+    extra = (
+        "backends: {primary: {kind: openai}}\n"
+        "ladder: {breaker: {fail_max: 2, reset_timeout_s: 30}, "
+        f'shared: {{redis: "{redis_server.url}", interval_s: 0.05, timeout_s: 0.2}}}}\n'
+    )
+    a = await start_proxy(ladder_policy(fake_upstream.url, None, extra))
+    b = await start_proxy(ladder_policy(fake_upstream.url, None, extra))
+    ups = [p.app[STATE].current.upstreams["primary"] for p in (a, b)]
+    for _ in range(300):
+        if all(up.served_models for up in ups) and all(
+            p.app[STATE].current.shared is not None and p.app[STATE].current.shared.healthy
+            for p in (a, b)
+        ):
+            break
+        await asyncio.sleep(0.01)
+    up_a, up_b = ups
+    fail(a.app[STATE].current, up_a, "model-a", 2)
+    assert up_a.model_breakers["model-a"].state == "open"
+
+    def model_state(st: dict[str, Any], model: str) -> str | None:
+        mb = st["backends"]["primary"]["model_breakers"].get(model)
+        return None if mb is None else mb["state"]
+
+    await eventually(b, lambda s: model_state(s, "model-a") == "open", 1.0)
+    st = await status(b)
+    assert st["backends"]["primary"]["breaker"] == "closed"
+    assert model_state(st, "model-b") in (None, "closed")
+    assert up_b.breaker_for("model-b").allow() is not None
