@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -513,6 +513,7 @@ def main() -> int:
     p.add_argument("--mixed", action="store_true", help="the side lane under load, instead")
     p.add_argument("--mixed-streams", default="32,128", help="plain streams beside 4 side")
     p.add_argument("--mixed-repeat", type=int, default=2, help="alone/mixed pairs per level")
+    p.add_argument("--side-slots", type=int, help="the server's --side-slots (default: its own)")
     args = p.parse_args()
     args.deadline = time.monotonic() + args.budget_s
     levels = [int(s) for s in args.streams.split(",")]
@@ -549,7 +550,12 @@ def main() -> int:
         ),
     }
     if args.mixed:
-        md = run_mixed(model, configs["batched"], args, log_path)
+        config = configs["batched"]
+        if args.side_slots is not None:
+            extra = ("--side-slots", str(args.side_slots))
+            config = replace(config, label=f"{config.label} `--side-slots {args.side_slots}`")
+            config = replace(config, args=(*config.args, *extra))
+        md = run_mixed(model, config, args, log_path)
         md = (
             f"Model: random-weight Llama {shape} in {args.dtype} on {args.device}; plain: "
             f"streaming chat, {args.tokens} tokens, ignore_eos, temperature 0.\n\n" + md
