@@ -11,6 +11,10 @@ aggregate tok/s (content chunks per second over all streams), TTFT p50/p95
 
     python bench/fallback_gpu.py --out $OUT                       # the GPU run
     python bench/fallback_gpu.py --device cpu --dtype float32 --tiny --streams 1,2 --tokens 16
+    python bench/fallback_gpu.py --out $OUT --mixed              # the side lane under load
+
+`--mixed`: the default server only, plain streams with and without side-lane
+streams at once, and the side-lane features checked (see `fallback_mixed`).
 
 Run on the device machine (see bench/results/fallback-gpu.md for the command).
 """
@@ -26,12 +30,15 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fallback_mixed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -280,6 +287,50 @@ def run_server(
     return row
 
 
+def _log_event(log_path: Path, offset: int, event: str) -> dict[str, Any]:
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        for raw in f:
+            if f'"event":"{event}"'.encode() in raw:
+                data: dict[str, Any] = json.loads(raw)
+                return data
+    return {}
+
+
+def run_mixed(model: Path, config: ServerConfig, args: argparse.Namespace, log_path: Path) -> str:
+    """`--mixed`: the side lane under load against one server (see `fallback_mixed`)."""
+    port = 18000 + abs(hash(config.label)) % 1000
+    base = f"http://127.0.0.1:{port}"
+    levels = [int(s) for s in args.mixed_streams.split(",")]
+    with log_path.open("ab") as logf:
+        offset = logf.tell()
+        started = time.monotonic()
+        proc = start_server(model, config, port, args.device, args.dtype, logf)
+        try:
+            asyncio.run(wait_healthy(base, proc))
+            engine = _log_event(log_path, offset, "batched_engine")
+            head = (
+                f"Server: {config.label}, up in {time.monotonic() - started:.0f} s "
+                f"({_capacity_line(log_path, offset)}; side_slots {engine.get('side_slots')}, "
+                f"attention {engine.get('attention')!r}).\n\n"
+            )
+            log(head.strip())
+            md = asyncio.run(
+                fallback_mixed.run(base, levels, args.tokens, args.mixed_repeat, args.deadline)
+            )
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        failures = sum(1 for raw in f if b"generation_failed" in raw or b"Traceback" in raw)
+    return head + md + f"- server log: {failures} generation failures / tracebacks\n"
+
+
 # --- the library's ceiling ---------------------------------------------------------------
 
 
@@ -459,6 +510,10 @@ def main() -> int:
         "in-process generate_batch: defaults, server, graphs)",
     )
     p.add_argument("--budget-s", type=float, default=540, help="start no level after this")
+    p.add_argument("--mixed", action="store_true", help="the side lane under load, instead")
+    p.add_argument("--mixed-streams", default="32,128", help="plain streams beside 4 side")
+    p.add_argument("--mixed-repeat", type=int, default=2, help="alone/mixed pairs per level")
+    p.add_argument("--side-slots", type=int, help="the server's --side-slots (default: its own)")
     args = p.parse_args()
     args.deadline = time.monotonic() + args.budget_s
     levels = [int(s) for s in args.streams.split(",")]
@@ -470,7 +525,8 @@ def main() -> int:
 
     # Every server gets a queue long enough for the largest level: 503s then mean a
     # capacity limit, not a short queue.
-    queue = ("--max-queue", str(max(levels)))
+    mixed_most = max(int(n) for n in args.mixed_streams.split(",")) + 4 if args.mixed else 0
+    queue = ("--max-queue", str(max(*levels, mixed_most)))
     configs = {
         "old": ServerConfig(
             "`fallback-server` as on main (threads, `--max-concurrency 1`)",
@@ -493,6 +549,20 @@ def main() -> int:
             max(levels),
         ),
     }
+    if args.mixed:
+        config = configs["batched"]
+        if args.side_slots is not None:
+            extra = ("--side-slots", str(args.side_slots))
+            config = replace(config, label=f"{config.label} `--side-slots {args.side_slots}`")
+            config = replace(config, args=(*config.args, *extra))
+        md = run_mixed(model, config, args, log_path)
+        md = (
+            f"Model: random-weight Llama {shape} in {args.dtype} on {args.device}; plain: "
+            f"streaming chat, {args.tokens} tokens, ignore_eos, temperature 0.\n\n" + md
+        )
+        (args.out / "fallback-mixed.md").write_text(md)
+        print("\n" + md, flush=True)
+        return 0 if "all checks: PASS" in md else 1
     wanted = args.only.split(",")
     done: dict[str, Row] = {}
     order = ["old", "threads", "nographs", "batched", *INPROC_VARIANTS]
