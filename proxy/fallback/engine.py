@@ -101,6 +101,7 @@ class Engine:
         self._pad_token_id: int | None = (
             pad if pad is not None else min(self.eos_token_ids, default=None)
         )
+        self._backend_decode = _backend_decode(tokenizer)
 
     @property
     def model(self) -> Any:
@@ -213,6 +214,13 @@ class Engine:
         return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
+        # Twice per generated token (incremental detokenization): the Rust
+        # tokenizer directly where it gives the same text, about 6x cheaper
+        # than the Python wrapper, whose time a GPU batch's loop thread waits
+        # for (the interpreter lock).
+        fast = self._backend_decode
+        if fast is not None:
+            return str(fast(list(ids), skip_special_tokens=True))
         text = self._tokenizer.decode(list(ids), skip_special_tokens=True)
         return str(text)
 
@@ -399,3 +407,14 @@ class _SeededSampler(LogitsProcessor):
         chosen = torch.multinomial(probs, num_samples=1, generator=self._generator)
         masked = torch.full_like(scores, float("-inf"))
         return masked.scatter_(1, chosen, 0.0)
+
+
+def _backend_decode(tokenizer: Any) -> Callable[..., Any] | None:
+    """The Rust tokenizer's `decode` when the Python wrapper's adds nothing to
+    it: a fast tokenizer without `clean_up_tokenization_spaces` (the wrapper's
+    only extra step for a list of ids)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    decode = getattr(backend, "decode", None)
+    return decode if callable(decode) else None

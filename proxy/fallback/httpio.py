@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import orjson
 from aiohttp import web
 
 from proxy.fallback.errors import APIError
@@ -58,8 +59,9 @@ def shutting_down() -> APIError:
 
 
 async def send(response: web.StreamResponse, obj: JSONObject) -> None:
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    await response.write(b"data: " + data.encode() + b"\n\n")
+    # orjson: compact, UTF-8 as is (like json.dumps(ensure_ascii=False)), a few
+    # times cheaper per chunk; its bytes go out without a str round trip.
+    await response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
 
 async def send_error(response: web.StreamResponse, exc: APIError) -> None:

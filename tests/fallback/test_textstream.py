@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +62,32 @@ def test_text_that_may_start_a_stop_is_held_back() -> None:
     assert matcher.push("go ST") == "go "
     assert matcher.push("O") == ""
     assert matcher.push("RY") == "STORY"
+
+
+def test_the_rust_decode_gives_the_wrappers_text(tiny_model_dir: Path) -> None:
+    """The engine decodes with the Rust tokenizer directly (twice a token, 6x
+    cheaper than the Python wrapper): on the tiny model's tokenizer it must
+    give exactly the wrapper's text for any ids, special tokens included."""
+    from transformers import AutoTokenizer
+
+    from proxy.fallback.engine import _backend_decode
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    fast = _backend_decode(tokenizer)
+    assert fast is not None
+    rng = random.Random(7)
+    for _ in range(2000):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 8))]
+        assert fast(ids, skip_special_tokens=True) == tokenizer.decode(
+            ids, skip_special_tokens=True
+        ), ids
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper() -> None:
+    from proxy.fallback.engine import _backend_decode
+
+    class Tok:
+        backend_tokenizer = object()
+        clean_up_tokenization_spaces = True
+
+    assert _backend_decode(Tok()) is None
