@@ -86,6 +86,7 @@ def main() -> int:
     ap.add_argument("--kind", default="short", choices=("short", "long"))
     ap.add_argument("--extra-path", default="")
     ap.add_argument("--bare", action="store_true", help="measure the bare relay too")
+    ap.add_argument("--keep", type=Path, help="copy the callgrind dumps here (callgrind_annotate)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="brownout-instr-"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -117,6 +118,10 @@ def main() -> int:
             stop([p])
     finally:
         stop(procs)
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for f in glob.glob(f"{tmp}/cg-*"):
+                shutil.copy(f, args.keep)
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n{args.kind} streams, {args.requests} requests, {args.conc} at a time")
     for name, ir in results:
