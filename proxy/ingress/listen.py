@@ -142,14 +142,16 @@ def _deadline_of(request: web.BaseRequest) -> HeaderDeadline | None:
     return protocol if isinstance(protocol, HeaderDeadline) else None
 
 
-def request_started(request: web.BaseRequest) -> None:
+def request_started(request: web.BaseRequest) -> HeaderDeadline | None:
+    """The request reached the app: its head is complete. Returns the
+    connection's deadline, for `request_finished`."""
     d = _deadline_of(request)
     if d is not None:
         d.started()
+    return d
 
 
-def request_finished(request: web.BaseRequest) -> None:
-    d = _deadline_of(request)
+def request_finished(request: web.BaseRequest, d: HeaderDeadline | None) -> None:
     if d is None:
         return
     if request.content.is_eof():

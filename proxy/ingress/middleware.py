@@ -62,7 +62,7 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
     # other: start from an empty context, leave an empty one.
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=rid)
-    listen.request_started(request)
+    deadline = listen.request_started(request)
     try:
         route = route_of(request)
         _check_path(request.rel_url.raw_path)
@@ -88,7 +88,7 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
             return reject(request, exc)
         return await _internal_error(request, exc)
     finally:
-        listen.request_finished(request)
+        listen.request_finished(request, deadline)
         structlog.contextvars.clear_contextvars()
 
 
