@@ -59,8 +59,8 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
     request[REQUEST_ID] = rid
     request[STARTED_AT] = asyncio.get_running_loop().time()
     # One connection's task serves its keep-alive requests one after the
-    # other: start from an empty context, leave an empty one.
-    structlog.contextvars.clear_contextvars()
+    # other, each leaving an empty log context (the `finally` below; nothing
+    # else binds one), so the next starts from an empty one.
     structlog.contextvars.bind_contextvars(request_id=rid)
     deadline = listen.request_started(request)
     try:

@@ -102,6 +102,29 @@ class JsonLine:
         return orjson.dumps(event, default=repr)
 
 
+def _wrapper_class(min_level: int) -> type[Any]:
+    """structlog's filtering bound logger, with an `info` that runs the
+    configured `JsonLine` chain itself (the access line, once per request):
+    the same line, without the three generic calls around one processor.
+    Any other chain (tests' `capture_logs` swap it in place) takes structlog's
+    own path."""
+    base: type[Any] = structlog.make_filtering_bound_logger(min_level)
+    if min_level > logging.INFO:
+        return base
+    generic = base.info
+
+    def info(self: Any, event: str, *args: Any, **kw: Any) -> Any:
+        procs = self._processors
+        if args or len(procs) != 1 or type(procs[0]) is not JsonLine:
+            return generic(self, event, *args, **kw)
+        event_dict = self._context.copy()
+        event_dict.update(kw)
+        event_dict["event"] = event
+        return self._logger.info(procs[0](self._logger, "info", event_dict))
+
+    return type("BoundLogger", (base,), {"info": info, "__slots__": ()})
+
+
 class LineWriter:
     """A structlog logger: rendered lines → bounded queue → writer thread → file."""
 
@@ -280,7 +303,7 @@ def configure_logging(
     writer = LineWriter(sys.stderr.buffer if file is None else file, max_bytes)
     structlog.configure(
         processors=[JsonLine()],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        wrapper_class=_wrapper_class(_LEVELS[level]),
         logger_factory=_Factory(writer),
         cache_logger_on_first_use=cache_loggers,
     )
