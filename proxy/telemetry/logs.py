@@ -77,6 +77,12 @@ _PREFIX_LEN = len(_PREFIX)
 _LEVEL_OF = {"warn": "warning", "exception": "error"}  # structlog's add_log_level
 
 
+def _fallback(obj: Any) -> Any:
+    """What structlog's JSONRenderer writes for a value JSON has no type for."""
+    hook = getattr(obj, "__structlog__", None)
+    return hook() if callable(hook) else repr(obj)
+
+
 class JsonLine:
     """structlog's merge_contextvars → add_log_level → timestamp →
     format_exc_info → JSONRenderer(orjson), as one processor: the same line,
@@ -99,7 +105,7 @@ class JsonLine:
         self._stamp(logger, name, event)
         if "exc_info" in event:
             event = structlog.processors.format_exc_info(logger, name, event)
-        return orjson.dumps(event, default=repr)
+        return orjson.dumps(event, default=_fallback)
 
 
 def _wrapper_class(min_level: int) -> type[Any]:
