@@ -161,7 +161,9 @@ class Upstream:
 
     def release_trial(self, permit: Permit | None) -> None:
         """`breaker.release_trial` on whichever breaker issued `permit`."""
-        if permit is not None:
+        # Only a half-open trial holds a slot (a closed breaker's permits are
+        # all trial 0): nothing to look up on the common path.
+        if permit is not None and permit.trial:
             self.breaker_of(permit).release_trial(permit)
 
     def breakers(self) -> Iterator[tuple[str | None, BackendBreaker]]:

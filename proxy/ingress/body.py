@@ -34,6 +34,10 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     if not request.can_read_body:
         return b""
     try:
+        if request.content.is_eof():
+            # All of it is already here (a small body arrives with its head):
+            # nothing to wait for, so no deadline to arm and cancel.
+            return await request.read()
         # A client trickling its body (slow-loris) does not hold a handler forever.
         async with asyncio.timeout(timeout_s):
             return await request.read()

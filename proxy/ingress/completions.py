@@ -3,7 +3,7 @@
 The middlewares have already set the request id (and the log context),
 checked the path and the client's key. Here: the body (size, time, coding),
 its parse, the request's priority and its session context — then the
-pipeline (`proxy.pipeline.serve_completion`).
+pipeline (`proxy.pipeline.serve`).
 Anything refused here raises `RequestRejected`; the error middleware answers
 it, counts it and logs it.
 """
@@ -21,7 +21,7 @@ from proxy.ingress.context import REQUEST_ID, STARTED_AT
 from proxy.ingress.validate import Endpoint, parse_body
 from proxy.openai.auth import bearer_token
 from proxy.openai.messages import last_user_text
-from proxy.pipeline import serve_completion
+from proxy.pipeline import RequestRecord, serve
 from proxy.runtime.generation import Runtime
 from proxy.runtime.keys import STATE
 from proxy.sessions.conversation import SessionContext
@@ -31,14 +31,17 @@ log = structlog.get_logger("brownout.request")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await forward_completion(request, "chat")
+    return await serve(await completion_record(request, "chat"))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await forward_completion(request, "completions")
+    return await serve(await completion_record(request, "completions"))
 
 
-async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+async def completion_record(request: web.Request, endpoint: Endpoint) -> RequestRecord:
+    """The request's record, once its body is read and checked. (Returned,
+    not passed on: the pipeline runs one frame less deep, and every
+    suspension of a stream resumes each frame on the way down.)"""
     rt = request.app[STATE].current
     server = rt.policy.server
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
@@ -51,7 +54,7 @@ async def forward_completion(request: web.Request, endpoint: Endpoint) -> web.St
     priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
     sid = request.headers.get("X-Session-Id")
     session = session_context(rt, sid, api_key, parsed.body, endpoint) if sid is not None else None
-    return await serve_completion(
+    return RequestRecord(
         request,
         rt,
         endpoint,

@@ -61,8 +61,15 @@ class HeaderDeadline(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if not self._busy and self._handle is None and self._timeout > 0:
-            # The first byte of a request's head: its deadline starts.
+        if (
+            not self._busy
+            and self._handle is None
+            and self._timeout > 0
+            and b"\r\n\r\n" not in data
+        ):
+            # The first bytes of a request's head, and not all of it (the
+            # common case, a whole head in one read, needs no timer): its
+            # deadline starts.
             self._handle = self._loop.call_later(self._timeout, self._expire)
         self._inner.data_received(data)
 
@@ -145,14 +152,16 @@ def _deadline_of(request: web.BaseRequest) -> HeaderDeadline | None:
     return protocol if isinstance(protocol, HeaderDeadline) else None
 
 
-def request_started(request: web.BaseRequest) -> None:
+def request_started(request: web.BaseRequest) -> HeaderDeadline | None:
+    """The request reached the app: its head is complete. Returns the
+    connection's deadline, for `request_finished`."""
     d = _deadline_of(request)
     if d is not None:
         d.started()
+    return d
 
 
-def request_finished(request: web.BaseRequest) -> None:
-    d = _deadline_of(request)
+def request_finished(request: web.BaseRequest, d: HeaderDeadline | None) -> None:
     if d is None:
         return
     if request.content.is_eof():

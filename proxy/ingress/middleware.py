@@ -1,16 +1,20 @@
-"""What cuts across every route, as aiohttp middlewares (outermost first):
+"""What cuts across every route, as one aiohttp middleware (`ingress`), in
+this order:
 
-1. `request_context` — the request id (the client's sane `X-Request-Id`, or
-   a fresh one) bound into structlog's contextvars once, so every log line of
-   the request carries `request_id`; sent back on every response.
-2. `openai_errors` — whatever a handler raises becomes an OpenAI error
-   object: `RequestRejected` (4xx), aiohttp's `HTTPException`s (404, 405 with
-   `Allow`, 413, ...), and any other exception (500 `internal_error`). No
-   input gets a plain-text error from the app.
-3. `check_path` — a path not in canonical form is refused before anything
+1. the request context — the request id (the client's sane `X-Request-Id`,
+   or a fresh one) bound into structlog's contextvars once, so every log
+   line of the request carries `request_id`; sent back on every response.
+2. OpenAI errors — whatever the steps below or a handler raise becomes an
+   OpenAI error object: `RequestRejected` (4xx), aiohttp's `HTTPException`s
+   (404, 405 with `Allow`, 413, ...), and any other exception (500
+   `internal_error`). No input gets a plain-text error from the app.
+3. the path check — a path not in canonical form is refused before anything
    is routed on or forwarded (`proxy.ingress.paths`).
-4. `authenticate` — the route's credential: client keys (`server.api_keys`)
+4. authentication — the route's credential: client keys (`server.api_keys`)
    or the admin token, each compared in constant time.
+
+One middleware, not four: each aiohttp middleware is another coroutine
+frame and handler wrapper on every request.
 """
 
 from __future__ import annotations
@@ -41,23 +45,6 @@ _PREPARED: web.RequestKey[web.StreamResponse] = web.RequestKey(
 )
 
 
-@web.middleware
-async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = request_id(request.headers.get("X-Request-Id"))
-    request[REQUEST_ID] = rid
-    request[STARTED_AT] = asyncio.get_running_loop().time()
-    # One connection's task serves its keep-alive requests one after the
-    # other: start from an empty context, leave an empty one.
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=rid)
-    listen.request_started(request)
-    try:
-        return await handler(request)
-    finally:
-        listen.request_finished(request)
-        structlog.contextvars.clear_contextvars()
-
-
 async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: every response carries the request's id."""
     rid = request.get(REQUEST_ID)
@@ -67,8 +54,20 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
+    rid = request_id(request.headers.get("X-Request-Id"))
+    request[REQUEST_ID] = rid
+    request[STARTED_AT] = asyncio.get_running_loop().time()
+    # One connection's task serves its keep-alive requests one after the
+    # other, each leaving an empty log context (the `finally` below; nothing
+    # else binds one), so the next starts from an empty one.
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    deadline = listen.request_started(request)
     try:
+        route = route_of(request)
+        _check_path(request.rel_url.raw_path)
+        if route is not None and route.auth != "none":
+            _authenticate(request, route)
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -88,6 +87,9 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if isinstance(exc, RequestRejected) and _PREPARED not in request:
             return reject(request, exc)
         return await _internal_error(request, exc)
+    finally:
+        listen.request_finished(request, deadline)
+        structlog.contextvars.clear_contextvars()
 
 
 def reject(
@@ -168,11 +170,10 @@ async def _internal_error(request: web.Request, exc: Exception) -> web.StreamRes
     return prepared
 
 
-@web.middleware
-async def check_path(request: web.Request, handler: Handler) -> web.StreamResponse:
-    problem = path_problem(request.rel_url.raw_path)
+def _check_path(raw_path: str) -> None:
+    problem = path_problem(raw_path)
     if problem is None:
-        return await handler(request)
+        return
     message = problem.message
     if problem.suggestion is not None:
         message += f" (did you mean {problem.suggestion}?)"
@@ -180,18 +181,13 @@ async def check_path(request: web.Request, handler: Handler) -> web.StreamRespon
     raise RequestRejected(problem.status, message, code)
 
 
-@web.middleware
-async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-    route = route_of(request)
-    if route is None or route.auth == "none":
-        return await handler(request)
+def _authenticate(request: web.Request, route: Route) -> None:
     header = request.headers.get("Authorization")
     if header is not None and not is_valid_utf8(header):
         raise RequestRejected(
             400, "the Authorization header is not valid UTF-8", "invalid_header", "Authorization"
         )
     _check_credential(request, route, bearer_token(header))
-    return await handler(request)
 
 
 def _check_credential(request: web.Request, route: Route, token: str | None) -> None:
@@ -212,10 +208,7 @@ def _check_credential(request: web.Request, route: Route, token: str | None) -> 
         raise RequestRejected(401, "invalid or missing API key", "invalid_api_key")
 
 
-MIDDLEWARES = (request_context, openai_errors, check_path, authenticate)
-
-
 def install(app: web.Application) -> None:
-    """The middlewares, in order, and the response stamp."""
-    app.middlewares.extend(MIDDLEWARES)
+    """The middleware and the response stamp."""
+    app.middlewares.append(ingress)
     app.on_response_prepare.append(stamp_response)

@@ -17,6 +17,7 @@ rule is `attempts.next_step`; only the outcome inbox (`inbox.Inbox`: breaker,
 ladder, pressure, outcome metrics) and `finish` write shared state.
 """
 
-from proxy.pipeline.flow import serve_completion, serve_passthrough
+from proxy.pipeline.flow import serve, serve_passthrough
+from proxy.pipeline.record import RequestRecord
 
-__all__ = ["serve_completion", "serve_passthrough"]
+__all__ = ["RequestRecord", "serve", "serve_passthrough"]

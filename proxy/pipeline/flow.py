@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -25,44 +26,52 @@ from proxy.pipeline.record import RequestRecord, Terminal
 from proxy.pipeline.sessions import load_history, save_turn
 from proxy.policy import Priority
 from proxy.runtime.generation import Runtime
-from proxy.sessions.conversation import SessionContext
 
 log = structlog.get_logger("brownout.request")
 
 
-async def serve_completion(
-    request: web.Request,
-    rt: Runtime,
-    endpoint: str,
-    raw: bytes,
-    body: dict[str, Any],
-    stream: bool,
-    rid: str,
-    t0: float,
-    priority: Priority = "normal",
-    session: SessionContext | None = None,
-) -> web.StreamResponse:
-    """/v1/chat/completions and /v1/completions (`endpoint`: chat | completions)."""
-    rec = RequestRecord(request, rt, endpoint, raw, body, stream, rid, t0, priority, session)
-    return await serve(rec)
-
-
-async def serve_passthrough(
+def serve_passthrough(
     request: web.Request, rt: Runtime, raw: bytes, rid: str, t0: float, priority: Priority
-) -> web.StreamResponse:
-    """Every other /v1/* request: the same stages, the body passed on unchanged."""
-    rec = RequestRecord(request, rt, "passthrough", raw, {}, False, rid, t0, priority)
-    return await serve(rec)
+) -> Coroutine[Any, Any, web.StreamResponse]:
+    """Every other /v1/* request: the same stages, the body passed on unchanged.
+    (Chat and completions: `serve` of the ingress's record.)"""
+    return serve(RequestRecord(request, rt, "passthrough", raw, {}, False, rid, t0, priority))
 
 
 async def serve(rec: RequestRecord) -> web.StreamResponse:
     inbox = Inbox(rec.rt, rec.rid)
     term: Terminal | None = None
+    response: web.StreamResponse
     # In flight from here to the record: what a reload's drain waits for.
     rec.rt.inflight += 1
     try:
-        response, term = await _stages(rec, inbox)
-        return response
+        # The stages, inline: every suspension of a stream resumes each frame
+        # of the chain, so the pipeline keeps it short.
+        if rec.session is not None:
+            await load_history(rec, inbox)
+        rt = rec.rt
+        dest, candidates = rt.route()
+        if dest == "maintenance":
+            response, term = maintenance(rec, inbox, f"tier {rt.tier}")
+            return response
+        result = await run_attempts(
+            rec, inbox, candidates, passthrough=rec.endpoint == "passthrough"
+        )
+        if result is None or result.kind == "failed":
+            if rt.policy.ladder.maintenance.enabled:
+                response, term = maintenance(rec, inbox, "no backend could answer")
+            elif result is None:
+                response, term = proxy_error(
+                    rec, 502, "no backend could be reached", "upstream_unreachable"
+                )
+            else:
+                response, term = passed_error(rec, result)
+            return response
+        if result.answer is not None:
+            await save_turn(rec, result.answer, inbox)
+        assert result.response is not None
+        term = terminal_of(result)
+        return result.response
     except asyncio.CancelledError:
         # The client went away (aiohttp cancels the handler): no answer to
         # give, but the request still ends on the record.
@@ -78,26 +87,6 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         rec.rt.inflight -= 1
         if term is not None:
             finish(rec, term)
-
-
-async def _stages(rec: RequestRecord, inbox: Inbox) -> tuple[web.StreamResponse, Terminal]:
-    rt = rec.rt
-    await load_history(rec, inbox)
-    dest, candidates = rt.route()
-    if dest == "maintenance":
-        return maintenance(rec, inbox, f"tier {rt.tier}")
-    passthrough = rec.endpoint == "passthrough"
-    result = await run_attempts(rec, inbox, candidates, passthrough=passthrough)
-    if result is None or result.kind == "failed":
-        if rt.policy.ladder.maintenance.enabled:
-            return maintenance(rec, inbox, "no backend could answer")
-        if result is None:
-            return proxy_error(rec, 502, "no backend could be reached", "upstream_unreachable")
-        return passed_error(rec, result)
-    if result.answer is not None:
-        await save_turn(rec, result.answer, inbox)
-    assert result.response is not None
-    return result.response, terminal_of(result)
 
 
 async def _internal_error(

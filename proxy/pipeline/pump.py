@@ -1,8 +1,9 @@
 """The streaming pump: upstream SSE events → client, as they arrive.
 
 Per request, not per chunk: the idle watchdog and the heartbeat are timer
-callbacks that re-arm themselves only when they fire, so a chunk costs a
-read, a parse (one `find` in the common case), a few byte checks and a write.
+callbacks that re-arm themselves only when they fire
+(`proxy.pipeline.streamtimers`), so a chunk costs a read, a parse (one
+`find` in the common case), a few byte checks and a write.
 
 Until the first event arrives the client has not seen a status line yet, so a
 failure there (an error event, a timeout) can still become a proper HTTP
@@ -31,7 +32,6 @@ from proxy.openai.errors import error_body
 from proxy.openai.headers import STREAM_ONLY
 from proxy.openai.sse import (
     DONE_EVENT,
-    HEARTBEAT,
     MAX_EVENT_BYTES,
     EventTooLarge,
     SSEFramer,
@@ -39,6 +39,7 @@ from proxy.openai.sse import (
     error_payload,
     json_event,
 )
+from proxy.pipeline.streamtimers import Pump
 
 Outcome = Literal[
     "complete",  # [DONE] (or finish_reason then EOF) seen
@@ -76,91 +77,6 @@ class StreamResult:
         return self.headers_sent_at is not None
 
 
-class _Pump:
-    """State of one relayed stream, shared by the read loop and its timers."""
-
-    __slots__ = (
-        "_hb_handle",
-        "_hb_task",
-        "_idle_handle",
-        "client",
-        "first_event",
-        "heartbeat_s",
-        "idle_s",
-        "last_activity",
-        "loop",
-        "request",
-        "timed_out",
-        "upstream",
-    )
-
-    def __init__(
-        self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
-        client: web.StreamResponse,
-        heartbeat_s: float,
-        idle_s: float,
-    ) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.request = request
-        self.upstream = upstream
-        self.client = client
-        self.heartbeat_s = heartbeat_s
-        self.idle_s = idle_s
-        self.last_activity = self.loop.time()
-        self.first_event = False
-        self.timed_out = False
-        self._hb_task: asyncio.Task[None] | None = None
-        # heartbeat_s 0 = no heartbeats.
-        self._hb_handle: asyncio.TimerHandle | None = (
-            self.loop.call_later(heartbeat_s, self._on_heartbeat) if heartbeat_s > 0 else None
-        )
-        self._idle_handle: asyncio.TimerHandle | None = None
-
-    # -- timers ------------------------------------------------------------------
-
-    def start_idle_watch(self) -> None:
-        self._idle_handle = self.loop.call_later(self.idle_s, self._on_idle)
-
-    def _on_idle(self) -> None:
-        due = self.last_activity + self.idle_s
-        if self.loop.time() >= due:
-            self.timed_out = True
-            # Closing the response wakes the reader with an error right away.
-            self.upstream.close()
-        else:
-            self._idle_handle = self.loop.call_at(due, self._on_idle)
-
-    def _on_heartbeat(self) -> None:
-        due = self.last_activity + self.heartbeat_s
-        now = self.loop.time()
-        if now >= due and (self._hb_task is None or self._hb_task.done()):
-            self._hb_task = self.loop.create_task(self._send_heartbeat())
-            due = now + self.heartbeat_s
-        self._hb_handle = self.loop.call_at(due, self._on_heartbeat)
-
-    async def _send_heartbeat(self) -> None:
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
-            if not self.client.prepared:
-                await self.client.prepare(self.request)
-            await self.client.write(HEARTBEAT)
-
-    async def settle_heartbeat(self) -> None:
-        """Wait for a heartbeat write in progress, so writes never overlap."""
-        task = self._hb_task
-        if task is not None and not task.done():
-            await task
-
-    def stop(self) -> None:
-        if self._hb_handle is not None:
-            self._hb_handle.cancel()
-        if self._idle_handle is not None:
-            self._idle_handle.cancel()
-        if self._hb_task is not None and not self._hb_task.done():
-            self._hb_task.cancel()
-
-
 async def relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
@@ -196,7 +112,7 @@ async def relay_stream(
     """
     if client is None:
         client = web.StreamResponse(status=200, headers=headers)
-    pump = _Pump(request, upstream, client, heartbeat_s, idle_s)
+    pump = Pump(request, upstream, client, heartbeat_s, idle_s)
     loop = pump.loop
     framer = SSEFramer(max_event_bytes)
     runs = ChunkRuns()
@@ -381,7 +297,7 @@ async def end_with_error(result: StreamResult) -> None:
             await client.write(error_events(result.detail, "server_error", result.code))
 
 
-async def _fail(pump: _Pump, result: StreamResult, status: int, code: str) -> StreamResult:
+async def _fail(pump: Pump, result: StreamResult, status: int, code: str) -> StreamResult:
     """A stream that produced no answer: an HTTP error if the client has not
     seen a status line yet (heartbeats may have gone out), in-band otherwise."""
     await pump.settle_heartbeat()

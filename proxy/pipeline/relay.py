@@ -18,11 +18,12 @@ from aiohttp import web
 from proxy.backends.upstream import Upstream
 from proxy.control.retrybudget import retry_after_s
 from proxy.errors import JSON_CT, error_body
+from proxy.guard.verdicts import Trip
 from proxy.openai.errors import is_context_error, upstream_error_body
 from proxy.openai.partial import answer_from_body, streamed_answer
 from proxy.pipeline.call import failed
 from proxy.pipeline.pump import StreamResult, relay_stream
-from proxy.pipeline.record import AttemptResult, RequestRecord
+from proxy.pipeline.record import AttemptKind, AttemptResult, RequestRecord
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # Worth a second try on the same backend (504 is a timeout: never retried there).
@@ -185,48 +186,62 @@ def stream_attempt(
     if result.first_event_at is not None and result.headers_sent_at is not None:
         overhead = rec.overhead_pre + max(0.0, result.headers_sent_at - result.first_event_at)
     outcome = result.outcome
-    base = AttemptResult(
-        "ended",
-        up.name,
-        200,
-        outcome,
-        detail=result.detail,
-        response=result.client,
-        delivered=result.started,
-        events=result.events,
-        overhead=overhead,
-        client_ttft=(
-            result.headers_sent_at - rec.t0 if result.headers_sent_at is not None else None
-        ),
-    )
+    status = 200
+    response = result.client
+    fault = retry = ""
+    body = b""
+    healthy = False
+    ttft: float | None = None
+    answer: str | None = None
+    stream: StreamResult | None = None
+    trip: Trip | None = None
+    # One AttemptResult built once (no `_replace`: this runs on every stream).
     if not result.started:
-        response = result.response
-        assert response is not None
-        if result.status in RETRYABLE_STATUS:
-            body = response.body if isinstance(response.body, bytes) else b""
+        assert result.response is not None
+        status = result.status
+        if status in RETRYABLE_STATUS:
+            kind: AttemptKind = "failed"
+            raw = result.response.body
             # An error event instead of the answer is transient; a stream that
             # opened and never sent its first token (closed, silent) is not.
-            retry = ""
-            if outcome == "upstream_error" and result.status in TRANSIENT_STATUS:
-                retry = f"http_{result.status}"
-            return base._replace(
-                kind="failed",
-                status=result.status,
-                response=None,
-                fault=_fault(result.status) and outcome,
-                body=body,
-                retry=retry,
-            )
-        # The backend's own 4xx error event, before any answer: passed on as is.
-        return base._replace(kind="answered", status=result.status, response=response, healthy=True)
-    if outcome == "complete":
-        answer = None
+            if outcome == "upstream_error" and status in TRANSIENT_STATUS:
+                retry = f"http_{status}"
+            response = None
+            fault = _fault(status) and outcome
+            body = raw if isinstance(raw, bytes) else b""
+        else:
+            # The backend's own 4xx error event, before any answer: passed on as is.
+            kind, response, healthy = "answered", result.response, True
+    elif outcome == "complete":
+        kind, healthy = "answered", True
         if rec.session is not None and rec.chat:
             answer = streamed_answer(result.regions, "chat")
         ttft = (result.first_event_at or t_call) - t_call
-        return base._replace(kind="answered", healthy=True, ttft=ttft, answer=answer)
-    if outcome == "client_disconnect":
-        return base._replace(kind="client_gone")
-    if outcome == "guard_trip":
-        return base._replace(fault="invalid_output", trip=result.trip, stream=result)
-    return base._replace(fault=outcome, stream=result)
+    elif outcome == "client_disconnect":
+        kind = "client_gone"
+    else:
+        kind, fault, stream = "ended", outcome, result
+        if outcome == "guard_trip":
+            fault, trip = "invalid_output", result.trip
+    return AttemptResult(
+        kind,
+        up.name,
+        status,
+        outcome,
+        detail=result.detail,
+        response=response,
+        delivered=result.started,
+        fault=fault,
+        healthy=healthy,
+        ttft=ttft,
+        client_ttft=(
+            result.headers_sent_at - rec.t0 if result.headers_sent_at is not None else None
+        ),
+        overhead=overhead,
+        events=result.events,
+        body=body,
+        trip=trip,
+        answer=answer,
+        stream=stream,
+        retry=retry,
+    )

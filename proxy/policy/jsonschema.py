@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from proxy.policy.faq import FaqFile
 from proxy.policy.knobs import Bounds
-from proxy.policy.loader import MALFORMED_ENV
+from proxy.policy.scalars import MALFORMED_ENV
 from proxy.policy.schema import Policy, public_fields
 
 # A `${VAR}` anywhere in a value is expanded before the value is typed.

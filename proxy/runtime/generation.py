@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import re
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -379,4 +379,6 @@ def request_id(incoming: str | None) -> str:
     """The client's X-Request-Id when it is a sane token, a fresh one otherwise."""
     if incoming and _REQUEST_ID_RE.match(incoming):
         return incoming
-    return uuid.uuid4().hex
+    # 128 random bits as 32 hex digits, like uuid4().hex without its
+    # Python-level UUID object (a fifth of the cost, on every request).
+    return os.urandom(16).hex()

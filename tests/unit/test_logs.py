@@ -131,3 +131,45 @@ def test_configure_logging_routes_structlog_and_stdlib_and_exports_drops() -> No
         structlog.reset_defaults()
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def test_json_line_renders_what_structlogs_chain_renders() -> None:
+    # JsonLine is merge_contextvars → add_log_level → timestamp →
+    # format_exc_info → JSONRenderer(orjson) as one processor: same keys,
+    # same order, same values (the timestamp aside).
+    import orjson
+
+    from proxy.telemetry.logs import IsoStamper, JsonLine
+
+    chain = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        IsoStamper(),
+        structlog.processors.format_exc_info,
+        structlog.processors.JSONRenderer(serializer=orjson.dumps),
+    ]
+
+    def old(name: str, event: dict[str, object]) -> bytes:
+        out: object = dict(event)
+        for proc in chain:
+            out = proc(None, name, out)  # type: ignore[arg-type]
+        assert isinstance(out, bytes)
+        return out
+
+    def strip(line: bytes) -> list[tuple[str, object]]:
+        return [(k, v) for k, v in json.loads(line).items() if k != "timestamp"]
+
+    structlog.contextvars.bind_contextvars(request_id="r1")
+    try:
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            events = [
+                ("info", {"event": "request", "status": 200, "x": {1, 2}, "e": ValueError("v")}),
+                ("warn", {"event": "w", "request_id": "own"}),
+                ("exception", {"event": "x", "exc_info": True}),
+            ]
+            for name, event in events:
+                assert strip(JsonLine()(None, name, dict(event))) == strip(old(name, event))
+    finally:
+        structlog.contextvars.clear_contextvars()

@@ -1,0 +1,133 @@
+"""Instructions per request of Brownout builds, under valgrind's callgrind.
+
+    .venv/bin/python bench/instr.py TREE [TREE ...] [--requests 1000] [--conc 16]
+        [--kind short] [--extra-path DIR] [--bare]
+
+A count of executed instructions does not move with the other work on a
+shared machine, which the requests/s and CPU-time figures of `bench/ab.py`
+do. Each TREE's `proxy.cli serve` (and, with `--bare`, the bare relay) runs
+under callgrind on `bench/run.py`'s upstream and policy; after a warm-up the
+counters are zeroed, `--requests` streaming chat requests are sent
+(`--conc` at a time), and the counters are dumped: instructions / request,
+the whole process (every thread) included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, free_port, start_static_upstream, wait_port
+from run import brownout_policy, serve_cmd, stop
+
+BODY = (
+    b'{"model":"tiny","stream":true,"max_tokens":16,'
+    b'"messages":[{"role":"user","content":"Hello there, how are you?"}]}'
+)
+
+
+async def load(url: str, n: int, conc: int) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
+        left = n
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                async with s.post(
+                    url, data=BODY, headers={"Content-Type": "application/json"}
+                ) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+
+        await asyncio.gather(*(worker() for _ in range(conc)))
+
+
+def callgrind(out: Path, cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *cmd],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def measure(p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int) -> float:
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    wait_port(port, 600)
+    asyncio.run(load(url, 200, conc))  # warm-up: connections, caches, lazy imports
+    subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
+    asyncio.run(load(url, n, conc))
+    subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
+    dumps = sorted(glob.glob(f"{out}*"), key=os.path.getmtime)
+    text = Path(dumps[-1]).read_text(errors="replace")
+    m = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+    assert m, dumps[-1]
+    return int(m.group(1)) / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trees", nargs="*", type=Path)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--conc", type=int, default=16)
+    ap.add_argument("--kind", default="short", choices=("short", "long"))
+    ap.add_argument("--extra-path", default="")
+    ap.add_argument("--bare", action="store_true", help="measure the bare relay too")
+    ap.add_argument("--keep", type=Path, help="copy the callgrind dumps here (callgrind_annotate)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="brownout-instr-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    up_port = free_port()
+    procs.append(start_static_upstream(tmp, up_port))
+    wait_port(up_port)
+    upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
+    results: list[tuple[str, float]] = []
+    try:
+        if args.bare:
+            port = free_port()
+            out = tmp / "cg-bare"
+            p = callgrind(out, [sys.executable, str(ROOT / "bench" / "bare_relay.py"), upstream,
+                                str(port)], ROOT, dict(os.environ))  # fmt: skip
+            procs.append(p)
+            results.append(("bare aiohttp", measure(p, port, out, args.requests, args.conc)))
+            print(f"bare aiohttp: {results[-1][1]:,.0f} instructions / request", flush=True)
+            stop([p])
+        for i, tree in enumerate(args.trees):
+            tree = tree.resolve()
+            port = free_port()
+            pol = brownout_policy(tmp, upstream, f"instr{i}", sessions=False)
+            out = tmp / f"cg-{i}"
+            pp = os.pathsep.join(filter(None, [str(tree), args.extra_path]))
+            p = callgrind(out, serve_cmd(pol, port), tree, {**os.environ, "PYTHONPATH": pp})
+            procs.append(p)
+            results.append((str(tree), measure(p, port, out, args.requests, args.conc)))
+            print(f"{tree}: {results[-1][1]:,.0f} instructions / request", flush=True)
+            stop([p])
+    finally:
+        stop(procs)
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for f in glob.glob(f"{tmp}/cg-*"):
+                shutil.copy(f, args.keep)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n{args.kind} streams, {args.requests} requests, {args.conc} at a time")
+    for name, ir in results:
+        print(f"| {name} | {ir:,.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
