@@ -32,6 +32,10 @@ _ROLES = {
     "tool": "tool",
 }
 _MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the engine may allow fewer
+# vLLM's `_SAMPLING_EPS`: a lower temperature is greedy. Dividing the logits by a
+# temperature that rounds to 0 in float32 makes them inf/nan, which kills the
+# batched engine's loop (every later request a 503) and fails the threads engine.
+_GREEDY_BELOW = 1e-5
 
 
 # --- sampling ----------------------------------------------------------------------------
@@ -72,7 +76,7 @@ def _parse_sampling(b: Body) -> SamplingParams:
     stop_ids = b.raw("stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
+        temperature=1.0 if temperature is None else _greedy_if_tiny(temperature),
         top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k or 0, 0),  # vLLM spells "disabled" as -1
         seed=b.int_("seed", min_value=_SEED_MIN, max_value=_SEED_MAX),
@@ -82,6 +86,10 @@ def _parse_sampling(b: Body) -> SamplingParams:
         ignore_eos=b.bool_("ignore_eos", False),
         repetition_penalty=1.0 if penalty is None else penalty,
     )
+
+
+def _greedy_if_tiny(temperature: float) -> float:
+    return 0.0 if temperature < _GREEDY_BELOW else temperature
 
 
 def _parse_stream(b: Body) -> tuple[bool, bool]:

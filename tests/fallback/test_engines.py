@@ -154,6 +154,26 @@ def test_side_lane_shares_admission_and_metrics_and_frees_on_disconnect(
     assert server.wait_metric("vllm:num_requests_running", 0, timeout=5) < 2.0
 
 
+def test_a_temperature_below_vllms_epsilon_is_greedy_and_the_engine_serves_on(
+    server: FallbackServer,
+) -> None:
+    """1e-300 rounds to 0 in float32: the logits divided by it were inf/nan, which
+    ended the batched engine's generation loop (every later request a 503 'shutting
+    down', /health still 200) and failed the request on the threads engine (500)."""
+
+    def content(temperature: float, **extra: Any) -> str:
+        body = {"messages": STORY, "max_tokens": 8, "temperature": temperature, **extra}
+        status, answer = server.post("/v1/chat/completions", body)
+        assert status == 200, answer
+        return str(answer["choices"][0]["message"]["content"])
+
+    greedy = content(0)
+    assert content(1e-300) == greedy
+    assert content(1e-300, seed=3) == greedy
+    assert content(1e-6, logprobs=True) == content(0, logprobs=True)  # the side lane too
+    assert content(0) == greedy  # and the engine still serves
+
+
 def test_continuation_continues_the_partial_assistant_message(server: FallbackServer) -> None:
     prefix = "Once upon a time, there was a small village"
     messages = [*STORY, {"role": "assistant", "content": prefix}]
