@@ -133,6 +133,57 @@ def test_invalid_values_of_honoured_fields(
     _assert_error(body, param=param, code="invalid_value")
 
 
+_LONE_SURROGATE_TOOL = {"name": "a", "parameters": {"properties": {"\ud800": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "\ud800 hi"}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HELLO,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"enum": ["ok", "\udfff"]}},
+                },
+            },
+            "response_format.json_schema.schema.enum[1]",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HELLO,
+                "tools": [{"type": "function", "function": _LONE_SURROGATE_TOOL}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters.properties.\\ud800",
+        ),
+        ("/v1/completions", {"prompt": "x\udc00"}, "prompt"),
+        ("/tokenize", {"prompt": "x\udc00"}, "prompt"),
+    ],
+)
+def test_a_lone_surrogate_escape_is_a_400_naming_the_field(
+    server: FallbackServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    """`"\\ud800"` is valid JSON but not Unicode: the tokenizer or xgrammar raised (500)."""
+    status, answer = server.post(path, {"max_tokens": 1, **body} if path != "/tokenize" else body)
+    assert status == 400, answer
+    _assert_error(answer, param=param, code="invalid_value")
+
+
+def test_a_pair_of_surrogate_escapes_is_one_character(server: FallbackServer) -> None:
+    # json.dumps escapes every emoji so, as "\\ud83d\\ude00".
+    messages = [{"role": "user", "content": "\U0001f600"}]
+    status, answer = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == 200, answer
+
+
 def test_openai_client_sees_bad_request_naming_the_field(
     server: FallbackServer, client: openai.OpenAI
 ) -> None:
