@@ -163,8 +163,10 @@ def _parse_logit_bias(b: Body) -> tuple[tuple[int, float], ...]:
         raise wrong_type("logit_bias", "an object", value)
     bias: list[tuple[int, float]] = []
     for key, raw in value.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise invalid(f"logit_bias key {key!r} is not a token id.", "logit_bias")
+        # ASCII only: str.isdigit() takes '²' (which int() refuses) and other scripts'
+        # digits; past 10 digits no id is in any vocabulary (and int() has a digit limit).
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid(f"logit_bias key {key[:20]!r} is not a token id.", "logit_bias")
         if isinstance(raw, bool) or not isinstance(raw, int | float) or not -100 <= raw <= 100:
             raise invalid("logit_bias values must be numbers from -100 to 100.", "logit_bias")
         bias.append((int(key), float(raw)))

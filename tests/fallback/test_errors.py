@@ -119,6 +119,10 @@ def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], p
         ),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
+        # int() refuses a superscript digit and more than 4,300 digits (were 500s).
+        ({"logit_bias": {"\u00b2": 5}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 5}}, "logit_bias"),
+        ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3
         ({"presence_penalty": 2.5}, "presence_penalty"),
         # A grammar ends on the end token, which ignore_eos would forbid.
         ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
