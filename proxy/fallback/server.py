@@ -72,6 +72,7 @@ async def _cancel_generations(app: web.Application) -> None:
 async def _close_workers(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[WORKERS].close()
+    app[API_SUPPORT].shutdown()
 
 
 def check_limits(args: argparse.Namespace) -> None:
