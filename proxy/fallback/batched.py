@@ -231,8 +231,12 @@ class BatchedEngine:
             kv_cache_usage=self._kv_usage(),
         )
 
+    def alive(self) -> bool:
+        """The library's loop thread ends on any error in a generation step, for good."""
+        return not self._closing and bool(self._manager.is_running())
+
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
-        if self._closing or not self._manager.is_running():
+        if not self.alive():
             raise EngineClosed
         if unsupported_fields(spec, self._batch_caps):
             unsupported = unsupported_fields(spec, self._capabilities)
