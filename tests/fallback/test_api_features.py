@@ -461,3 +461,26 @@ def test_a_slow_schema_compile_does_not_hold_up_other_requests(server: FallbackS
     # Plain requests kept being served while the schema compiled.
     assert len(latencies) >= 3, (latencies, slow["seconds"])
     assert max(latencies) < slow["seconds"] / 3, (latencies, slow["seconds"])
+
+
+def test_stop_token_ids_still_stop_with_ignore_eos(server: FallbackServer) -> None:
+    """vLLM's ignore_eos ignores the model's end tokens only. The threads engine (and the
+    batched engine's side lane) held every stop_token_id back too, with min_new_tokens =
+    max_tokens, so the answer ran on to max_tokens (the batch stopped)."""
+    prompt = "Paris is"
+    status, first = server.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    )
+    assert status == 200, first
+    _, ids = server.post(
+        "/tokenize", {"prompt": first["choices"][0]["text"], "add_special_tokens": False}
+    )
+    assert ids["count"] == 1, ids  # the greedy first token, as one id
+    for extra in ({}, {"logprobs": 0}):  # logprobs: the batched engine's side lane
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        status, answer = server.post(
+            "/v1/completions", body | {"stop_token_ids": ids["tokens"], **extra}
+        )
+        assert status == 200, answer
+        assert answer["choices"][0]["finish_reason"] == "stop", (extra, answer)
+        assert answer["usage"]["completion_tokens"] == 1, (extra, answer)
