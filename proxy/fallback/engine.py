@@ -227,6 +227,7 @@ class Engine:
             stops=spec.params.stop,
             stop_ids=self.eos_token_ids | set(spec.params.stop_token_ids),
             ignore_eos_ids=self.eos_token_ids if spec.params.ignore_eos else frozenset(),
+            min_tokens=spec.params.min_tokens,
         )
 
     def generate(

@@ -484,3 +484,23 @@ def test_stop_token_ids_still_stop_with_ignore_eos(server: FallbackServer) -> No
         assert status == 200, answer
         assert answer["choices"][0]["finish_reason"] == "stop", (extra, answer)
         assert answer["usage"]["completion_tokens"] == 1, (extra, answer)
+
+
+def test_stop_strings_wait_for_min_tokens(server: FallbackServer) -> None:
+    """vLLM looks for stop strings only once the output is past min_tokens; here a stop
+    string in the first token ended the answer there, min_tokens notwithstanding."""
+    prompt = "Paris is"
+    status, first = server.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    )
+    assert status == 200, first
+    stop = first["choices"][0]["text"].strip()
+    assert stop, first
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    status, early = server.post("/v1/completions", body)
+    assert status == 200, early
+    assert early["usage"]["completion_tokens"] == 1  # without min_tokens: cut at once
+    status, held = server.post("/v1/completions", body | {"min_tokens": 8})
+    assert status == 200, held
+    assert held["usage"]["completion_tokens"] >= 8, held
+    assert held["choices"][0]["text"].startswith(first["choices"][0]["text"])
