@@ -287,6 +287,13 @@ def _parse_chat_flags(b: Body, messages: tuple[Message, ...]) -> tuple[bool, boo
 
 
 def _check_combination(sampling: SamplingParams, output: Output) -> None:
+    # vLLM's check (only against a max_tokens the client gave).
+    if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
+        raise invalid(
+            f"'min_tokens' must be at most max_tokens={sampling.max_tokens}, "
+            f"got {sampling.min_tokens}.",
+            "min_tokens",
+        )
     # A grammar ends on an end token; ignore_eos (min_tokens) would leave nothing to sample.
     if output.needs_grammar and (sampling.ignore_eos or sampling.min_tokens):
         name = "ignore_eos" if sampling.ignore_eos else "min_tokens"

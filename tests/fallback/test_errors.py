@@ -124,6 +124,8 @@ def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], p
         ({"logit_bias": {"9" * 5000: 5}}, "logit_bias"),
         ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3
         ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # vLLM's 400; was clamped
+        ({"min_tokens": 6, "max_completion_tokens": 5}, "min_tokens"),
         # A grammar ends on the end token, which ignore_eos would forbid.
         ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
