@@ -10,6 +10,7 @@ every stream has produced a token and none has finished), never on timing.
 from __future__ import annotations
 
 import json
+import math
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,6 +173,25 @@ def test_a_temperature_below_vllms_epsilon_is_greedy_and_the_engine_serves_on(
     assert content(1e-300, seed=3) == greedy
     assert content(1e-6, logprobs=True) == content(0, logprobs=True)  # the side lane too
     assert content(0) == greedy  # and the engine still serves
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"],
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_number_is_a_400_and_the_engine_serves_on(
+    server: FallbackServer, field: str, value: float
+) -> None:
+    """Python's JSON reads NaN and Infinity (json.dumps writes them): a NaN temperature
+    made the logits nan, which ended the batched engine's loop (every later request a
+    503); the others were 200s or 500s."""
+    body = {"messages": STORY, "max_tokens": 4, field: value}
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field
+    status, answer = server.post("/v1/chat/completions", {"messages": STORY, "max_tokens": 2})
+    assert status == 200, answer
 
 
 def test_continuation_continues_the_partial_assistant_message(server: FallbackServer) -> None:
