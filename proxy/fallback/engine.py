@@ -260,8 +260,9 @@ class Engine:
             top_p=1.0,
             top_k=50,
             repetition_penalty=params.repetition_penalty,
-            # What ends the output; with ignore_eos the stop_token_ids only.
-            eos_token_id=sorted(text.stop_ids),
+            # What ends the output; with ignore_eos the stop_token_ids only. An id past
+            # int64 (torch overflows on it: a 500) is no token the model can produce.
+            eos_token_id=sorted(i for i in text.stop_ids if i < 2**63),
             pad_token_id=self._pad_token_id,
         )
         processors = LogitsProcessorList()

@@ -504,3 +504,12 @@ def test_stop_strings_wait_for_min_tokens(server: FallbackServer) -> None:
     assert status == 200, held
     assert held["usage"]["completion_tokens"] >= 8, held
     assert held["choices"][0]["text"].startswith(first["choices"][0]["text"])
+
+
+def test_a_stop_token_id_past_int64_is_no_error(server: FallbackServer) -> None:
+    """No model has such a token; torch's int64 tensor of the end ids overflowed (500)."""
+    for extra in ({}, {"logprobs": 0}):  # logprobs: the batched engine's side lane
+        body = {"prompt": "Hi", "max_tokens": 3, "stop_token_ids": [2**64], **extra}
+        status, answer = server.post("/v1/completions", body)
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == 3
