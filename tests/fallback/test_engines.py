@@ -194,6 +194,18 @@ def test_a_non_finite_number_is_a_400_and_the_engine_serves_on(
     assert status == 200, answer
 
 
+@pytest.mark.parametrize("top_k", [2**31, 2**70])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(server: FallbackServer, top_k: int) -> None:
+    """2**31 overflowed the batched engine's int32 tensor of top_k inside its generation
+    loop, which died (that request a 500, every later one a 503)."""
+    for extra in ({}, {"logprobs": True}):  # logprobs: the batched engine's side lane
+        body = {"messages": STORY, "max_tokens": 4, "top_k": top_k, "seed": 1, **extra}
+        status, answer = server.post("/v1/chat/completions", body)
+        assert status == 200, answer
+    status, answer = server.post("/v1/chat/completions", {"messages": STORY, "max_tokens": 2})
+    assert status == 200, answer
+
+
 def test_continuation_continues_the_partial_assistant_message(server: FallbackServer) -> None:
     prefix = "Once upon a time, there was a small village"
     messages = [*STORY, {"role": "assistant", "content": prefix}]
