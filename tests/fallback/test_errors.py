@@ -125,6 +125,8 @@ def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], p
         ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # vLLM's 400; was clamped
+        # Each is matched after every token (on the event loop, batched): bounded.
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
         ({"min_tokens": 6, "max_completion_tokens": 5}, "min_tokens"),
         # A grammar ends on the end token, which ignore_eos would forbid.
         ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
@@ -255,3 +257,10 @@ def test_unknown_route_and_method_keep_the_error_shape(server: FallbackServer) -
     status, body = server.post("/v1/models", {})
     assert status == 405
     _assert_error(body, param=None, code=None)
+
+
+def test_sixty_four_stop_strings_are_fine(server: FallbackServer) -> None:
+    stops = [f"never{i}" for i in range(64)] + ["never0"]  # duplicates count once
+    body = {"messages": HELLO, "max_tokens": 2, "stop": stops}
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 200, answer
