@@ -99,7 +99,8 @@ EXIT_CODES = """\
 exit codes:
   0  success (serve and fallback-server: stopped by SIGINT or SIGTERM)
   1  check: the policy is invalid; reload: the proxy rejected the new policy
-     and keeps the running one; serve, fallback-server: cannot listen
+     and keeps the running one; serve, fallback-server: cannot listen;
+     fallback-server: its engine died (stopped, as vLLM does)
   2  bad command line; serve: the policy is invalid (nothing started);
      fallback-server: the model does not load or a limit is out of range
   3  reload: the proxy could not be reached or refused the request
@@ -113,7 +114,10 @@ _SUB_EXIT_CODES = {
         "0 reloaded · 1 rejected (errors printed; the running policy stays) · "
         "2 bad options · 3 unreachable or refused (token, admin off)"
     ),
-    "fallback-server": ("0 stopped by a signal · 1 cannot listen · 2 bad options, model or limits"),
+    "fallback-server": (
+        "0 stopped by a signal · 1 cannot listen or the engine died · "
+        "2 bad options, model or limits"
+    ),
     "make-tiny-model": "0 written (or already there) · 1 DIR holds something else · 2 bad options",
     "schema": "0 printed · 2 bad options",
 }

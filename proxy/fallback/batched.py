@@ -231,8 +231,12 @@ class BatchedEngine:
             kv_cache_usage=self._kv_usage(),
         )
 
+    def alive(self) -> bool:
+        """The library's loop thread ends on any error in a generation step, for good."""
+        return not self._closing and bool(self._manager.is_running())
+
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
-        if self._closing or not self._manager.is_running():
+        if not self.alive():
             raise EngineClosed
         if unsupported_fields(spec, self._batch_caps):
             unsupported = unsupported_fields(spec, self._capabilities)
@@ -279,9 +283,12 @@ class BatchedEngine:
     def _sampling_kwargs(self, spec: GenerationSpec) -> dict[str, Any]:
         params = spec.params
         greedy = params.temperature <= 0
+        vocab = self._engine.vocab_size
         kwargs: dict[str, Any] = {
             "temperature": GREEDY_TEMPERATURE if greedy else float(params.temperature),
-            "top_k": params.top_k if params.top_k > 0 else self._engine.vocab_size,
+            # Past the vocabulary top_k keeps everything; the library's int32 tensor
+            # of it overflowed at 2**31, in its loop thread, which then died.
+            "top_k": params.top_k if 0 < params.top_k < vocab else vocab,
             "top_p": float(params.top_p),
         }
         seed = spec.seed

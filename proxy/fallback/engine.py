@@ -26,6 +26,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 from transformers.generation.logits_process import (
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -234,6 +235,7 @@ class Engine:
             stops=spec.params.stop,
             stop_ids=self.eos_token_ids | set(spec.params.stop_token_ids),
             ignore_eos_ids=self.eos_token_ids if spec.params.ignore_eos else frozenset(),
+            min_tokens=spec.params.min_tokens,
         )
 
     def generate(
@@ -257,8 +259,8 @@ class Engine:
         sink = _TokenSink(text, capture, emit)
         config = GenerationConfig(  # type: ignore[no-untyped-call]
             max_new_tokens=max_tokens,
-            # ignore_eos: suppressing the end tokens is what vLLM's flag amounts to.
-            min_new_tokens=max_tokens if params.ignore_eos else min(params.min_tokens, max_tokens),
+            # min_tokens holds back the end tokens and stop_token_ids (as vLLM's).
+            min_new_tokens=min(params.min_tokens, max_tokens),
             # Always greedy for transformers; sampling happens in `_SeededSampler`.
             # The neutral values keep the model's own generation_config defaults out.
             do_sample=False,
@@ -266,11 +268,17 @@ class Engine:
             top_p=1.0,
             top_k=50,
             repetition_penalty=params.repetition_penalty,
-            # With ignore_eos, min_new_tokens masks these, so they never end the output.
-            eos_token_id=sorted(self.eos_token_ids | set(params.stop_token_ids)),
+            # What ends the output; with ignore_eos the stop_token_ids only. An id past
+            # int64 (torch overflows on it: a 500) is no token the model can produce.
+            eos_token_id=sorted(i for i in text.stop_ids if i < 2**63),
             pad_token_id=self._pad_token_id,
         )
         processors = LogitsProcessorList()
+        ignored = sorted(self.eos_token_ids - text.stop_ids) if params.ignore_eos else []
+        if ignored:
+            # ignore_eos: suppressing the model's end tokens is what vLLM's flag amounts
+            # to; stop_token_ids still stop (min_new_tokens = max_tokens masked them too).
+            processors.append(SuppressTokensLogitsProcessor(ignored, device=str(self.device)))
         if capture is not None:
             processors.append(capture)
         processors.extend(factory() for factory in spec.logits_processors)

@@ -2,9 +2,9 @@
 
 A request goes: parse and classify every field (400) → model check (404) →
 engine capabilities (400 naming the field) → capacity fast-path (503) →
-prompt ids and grammar on the tokenizer thread (400 for a bad template or
-schema) → context check (400) → admission (503, or wait in line) → the
-engine → stream or collect.
+prompt ids on the tokenizer thread (400 for a bad template) → the grammar
+on its own thread (400 for a bad schema) → context check (400) → admission
+(503, or wait in line) → the engine → stream or collect.
 
 `n` choices run one after another inside one admission slot (so `n` never
 needs more slots than the server has), each with `seed + index`. Once an SSE
@@ -102,6 +102,7 @@ async def _serve(
     check_capabilities(caps, req.sampling, req.output, chat=chat, grammar=grammar)
     check_capacity(app)
     prompt_ids, processors = await app[WORKERS].tokenize(prepare)
+    processors += await app[API_SUPPORT].compile_grammar(req.output)
     job = _Job(
         prompt_ids, req.sampling, req.output, processors, req.stream, req.include_usage, arrived
     )
@@ -246,7 +247,7 @@ def _lp(out: ChoiceOutput, job: _Job) -> Sequence[TokenLogprob] | None:
     return out.logprobs if job.output.logprobs is not None else None
 
 
-# --- tokenizer-thread functions: template and schema errors are the request's fault ------
+# --- tokenizer-thread functions: template errors are the request's fault ----------------
 
 
 def _prepare_chat(

@@ -65,8 +65,9 @@ async def error_middleware(
 
 
 async def health(request: web.Request) -> web.Response:
-    # The model is loaded before the port opens, so answering means ready.
-    return web.Response(status=200)
+    # The model is loaded before the port opens, so answering means ready; 503 once the
+    # engine can serve no more (as vLLM's /health when its engine is dead).
+    return web.Response(status=200 if request.app[WORKERS].alive() else 503)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -3,26 +3,70 @@
 from __future__ import annotations
 
 import json
+import re
 
 import orjson
 from aiohttp import web
 
-from proxy.fallback.errors import APIError
+from proxy.fallback.errors import APIError, invalid
 from proxy.fallback.shapes import JSONObject
 from proxy.fallback.state import ADMISSION, SETTINGS, Settings
 from proxy.openai.errors import error_body
+
+# A UTF-16 surrogate can only reach a parsed string through a \uD800-\uDFFF escape.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def read_json(request: web.Request) -> object:
     raw = await request.read()
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     # ValueError: bad JSON, bad UTF-8, an integer past Python's digit limit;
     # RecursionError: nesting deeper than the parser's stack.
     except (ValueError, RecursionError) as exc:
         raise APIError(
             400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
         ) from None
+    if _SURROGATE_ESCAPE.search(raw):
+        # Paired escapes decode to one character; a lone one stays a surrogate, which
+        # no tokenizer, template or grammar compiler can encode (it was a 500).
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise invalid(
+                f"'{where}' holds a lone UTF-16 surrogate escape, which is not valid Unicode.",
+                where,
+            )
+    return data
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate(data: object) -> str | None:
+    """The path (`messages[0].content`) of the first string or key holding a lone surrogate."""
+    stack: list[tuple[str, object]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                name = key.encode(errors="backslashreplace").decode()
+                sub = f"{path}.{name}" if path else name
+                if not _encodable(key):
+                    return sub
+                items.append((sub, item))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 def check_model(requested: str | None, settings: Settings) -> None:

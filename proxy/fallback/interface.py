@@ -238,6 +238,10 @@ class GenerationEngine(Protocol):
 
     def load(self) -> Load: ...
 
+    def alive(self) -> bool:
+        """False once it can start no generation any more (shutdown, or its loop died)."""
+        ...
+
     def cancel_all(self) -> None:
         """Shutdown begins: stop running generations and refuse new ones."""
         ...

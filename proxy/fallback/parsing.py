@@ -32,6 +32,14 @@ _ROLES = {
     "tool": "tool",
 }
 _MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the engine may allow fewer
+# Every stop string is looked for after every token, on the event loop for the
+# batched engine: 100,000 of them (a 1.6 MB body) stalled every stream for 5 s.
+# OpenAI takes 4.
+MAX_STOPS = 64
+# vLLM's `_SAMPLING_EPS`: a lower temperature is greedy. Dividing the logits by a
+# temperature that rounds to 0 in float32 makes them inf/nan, which kills the
+# batched engine's loop (every later request a 503) and fails the threads engine.
+_GREEDY_BELOW = 1e-5
 
 
 # --- sampling ----------------------------------------------------------------------------
@@ -46,7 +54,10 @@ def _parse_stop(b: Body) -> tuple[str, ...]:
         raise wrong_type("stop", "a string or an array of strings", value)
     if any(s == "" for s in items):
         raise invalid("Stop strings must not be empty.", "stop")
-    return tuple(dict.fromkeys(items))
+    stops = tuple(dict.fromkeys(items))
+    if len(stops) > MAX_STOPS:
+        raise invalid(f"At most {MAX_STOPS} stop strings are supported, got {len(stops)}.", "stop")
+    return stops
 
 
 def _parse_token_ids(value: object, name: str) -> tuple[int, ...]:
@@ -72,7 +83,7 @@ def _parse_sampling(b: Body) -> SamplingParams:
     stop_ids = b.raw("stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
+        temperature=1.0 if temperature is None else _greedy_if_tiny(temperature),
         top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k or 0, 0),  # vLLM spells "disabled" as -1
         seed=b.int_("seed", min_value=_SEED_MIN, max_value=_SEED_MAX),
@@ -82,6 +93,10 @@ def _parse_sampling(b: Body) -> SamplingParams:
         ignore_eos=b.bool_("ignore_eos", False),
         repetition_penalty=1.0 if penalty is None else penalty,
     )
+
+
+def _greedy_if_tiny(temperature: float) -> float:
+    return 0.0 if temperature < _GREEDY_BELOW else temperature
 
 
 def _parse_stream(b: Body) -> tuple[bool, bool]:
@@ -155,8 +170,10 @@ def _parse_logit_bias(b: Body) -> tuple[tuple[int, float], ...]:
         raise wrong_type("logit_bias", "an object", value)
     bias: list[tuple[int, float]] = []
     for key, raw in value.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise invalid(f"logit_bias key {key!r} is not a token id.", "logit_bias")
+        # ASCII only: str.isdigit() takes '²' (which int() refuses) and other scripts'
+        # digits; past 10 digits no id is in any vocabulary (and int() has a digit limit).
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid(f"logit_bias key {key[:20]!r} is not a token id.", "logit_bias")
         if isinstance(raw, bool) or not isinstance(raw, int | float) or not -100 <= raw <= 100:
             raise invalid("logit_bias values must be numbers from -100 to 100.", "logit_bias")
         bias.append((int(key), float(raw)))
@@ -277,6 +294,13 @@ def _parse_chat_flags(b: Body, messages: tuple[Message, ...]) -> tuple[bool, boo
 
 
 def _check_combination(sampling: SamplingParams, output: Output) -> None:
+    # vLLM's check (only against a max_tokens the client gave).
+    if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
+        raise invalid(
+            f"'min_tokens' must be at most max_tokens={sampling.max_tokens}, "
+            f"got {sampling.min_tokens}.",
+            "min_tokens",
+        )
     # A grammar ends on an end token; ignore_eos (min_tokens) would leave nothing to sample.
     if output.needs_grammar and (sampling.ignore_eos or sampling.min_tokens):
         name = "ignore_eos" if sampling.ignore_eos else "min_tokens"

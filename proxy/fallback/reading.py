@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,6 +93,10 @@ class Body:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise wrong_type(name, "a number", value)
         number = float(value)
+        if not math.isfinite(number):
+            # Python's JSON reads NaN and Infinity; either makes the logits nan, which
+            # ended the batched engine's generation loop (vLLM refuses them too).
+            raise invalid(f"'{name}' must be a finite number, got {number}.", name)
         if min_value is not None and (
             number < min_value or (exclusive_min and number == min_value)
         ):

@@ -3,7 +3,10 @@
 The model is loaded before the port opens: while loading, clients get
 connection refused (as with vLLM), and once anything answers, `/health` is
 200. SIGTERM/SIGINT cancel running generations (streams end with an in-band
-error, never a silent cut), wait for the worker threads, then exit 0.
+error, never a silent cut), wait for the worker threads, then exit 0. If
+the engine dies (the batched engine's loop ends on an error), /health turns
+503 and the server shuts down the same way within a second or so, exit 1
+(vLLM exits too), for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ _MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_SIDE_SLOTS = 2
 # Bounded so a stuck client cannot hold shutdown for aiohttp's default 60 s.
 _SHUTDOWN_TIMEOUT_S = 10.0
+# How often `serve` checks that the engine can still generate.
+_ENGINE_CHECK_S = 1.0
 
 
 def create_app(
@@ -72,6 +77,7 @@ async def _cancel_generations(app: web.Application) -> None:
 async def _close_workers(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[WORKERS].close()
+    app[API_SUPPORT].shutdown()
 
 
 def check_limits(args: argparse.Namespace) -> None:
@@ -155,8 +161,23 @@ def build_generator(args: argparse.Namespace, engine: Engine) -> tuple[Settings,
     return settings, generator
 
 
-async def serve(app: web.Application, host: str, port: int) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully."""
+async def _watch_engine(app: web.Application, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(_ENGINE_CHECK_S)
+        if not stop.is_set() and not app[WORKERS].alive():
+            log.error("engine_dead", action="exiting")
+            stop.set()
+            return
+
+
+async def serve(app: web.Application, host: str, port: int) -> bool:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully.
+
+    Also stops once the engine cannot generate any more (the batched engine's
+    loop died): like vLLM, which exits within seconds of its engine dying, so
+    that a supervisor restarts it rather than every request getting a 503.
+    Returns True in that case.
+    """
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that disconnects cancels its handler
@@ -173,11 +194,19 @@ async def serve(app: web.Application, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        watch = asyncio.create_task(_watch_engine(app, stop))
+        try:
+            await stop.wait()
+        finally:
+            watch.cancel()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        died = watch.done() and not watch.cancelled()
         log.info("shutting_down")
     finally:
         await runner.cleanup()
     log.info("stopped")
+    return died
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -211,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
     gc.freeze()
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(serve(app, args.host, args.port))
+            died = runner.run(serve(app, args.host, args.port))
     except OSError as exc:  # typically: the port is taken
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", 1)
-    return 0
+    return 1 if died else 0

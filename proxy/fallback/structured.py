@@ -4,8 +4,10 @@
 `processors(output)` compiles what a request asks for — `response_format`
 json_object / json_schema or a forced tool call — into factories
 of per-generation Transformers logits processors (`GenerationSpec.
-logits_processors`). Compiling runs on the tokenizer thread, never on the
-event loop; a schema xgrammar cannot compile is the request's fault (400).
+logits_processors`). Compiling runs on its own thread (`compile`), never on
+the event loop nor on the tokenizer thread: a deep schema can take seconds
+to compile, and plain requests must not wait behind it. A schema xgrammar
+cannot compile is the request's fault (400).
 
 A forced tool call (tool_choice "required" or a named function) is the
 grammar `<tool_call>\\n{"name": <one of the names>, "arguments": <its
@@ -16,7 +18,9 @@ cannot wander off into endless blanks inside the JSON.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -62,8 +66,17 @@ class Structured:
         self.vocab_size = vocab_size
         #: Each token id's raw bytes (what OpenAI's logprobs `bytes` are).
         self.token_bytes: tuple[bytes, ...] = tuple(self._info.decoded_vocab)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
-    # --- compiling (tokenizer thread) ------------------------------------------------------
+    async def compile(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
+        """`processors(output)` on the grammar thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.processors, output)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- compiling (grammar thread) --------------------------------------------------------
 
     def processors(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
         """The grammar processor the output needs, if any (compiled now)."""

@@ -127,7 +127,7 @@ class ApiSupport:
         return self.structured is not None
 
     def processors(self, output: Output, prompt_len: int) -> tuple[LogitsProcessorFactory, ...]:
-        """Per-generation logits processors for `output`; on the tokenizer thread."""
+        """Per-generation logits processors for `output` but the grammar; tokenizer thread."""
         factories: list[LogitsProcessorFactory] = []
         if output.has_penalties:
             factories.append(
@@ -142,11 +142,19 @@ class ApiSupport:
                     "logit_bias",
                 )
             factories.append(partial(LogitBias, output.logit_bias))
-        if output.needs_grammar:
-            if self.structured is None:
-                raise unsupported("response_format", "Structured output needs xgrammar.")
-            factories.extend(self.structured.processors(output))
         return tuple(factories)
+
+    async def compile_grammar(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
+        """The grammar processor `output` needs (after the others), compiled off the loop."""
+        if not output.needs_grammar:
+            return ()
+        if self.structured is None:
+            raise unsupported("response_format", "Structured output needs xgrammar.")
+        return await self.structured.compile(output)
+
+    def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
 
     @classmethod
     def load(cls, path: Path) -> ApiSupport:

@@ -27,9 +27,12 @@ class TokenText:
         stops: Sequence[str],
         stop_ids: set[int] | frozenset[int],
         ignore_eos_ids: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
     ) -> None:
         self._decoder = IncrementalDecoder(decode, prompt_ids)
         self._stops = StopMatcher(stops)
+        # vLLM looks for stop strings only once the output is past min_tokens.
+        self._min_tokens = min_tokens
         # ignore_eos: the model's end tokens are ordinary text; stop_token_ids still stop.
         self.stop_ids = frozenset(stop_ids) - ignore_eos_ids
         self.count = 0
@@ -45,7 +48,9 @@ class TokenText:
             # Like vLLM, the end token itself is not part of the text.
             self.stopped = True
             return Delta(self._flush(), 1, (token_id,), lps)
-        text = self._stops.push(self._decoder.push(token_id))
+        text = self._decoder.push(token_id)
+        if self.count > self._min_tokens:
+            text = self._stops.push(text)
         if self._stops.matched is not None:
             self.stopped = True
         return Delta(text, 1, (token_id,), lps)

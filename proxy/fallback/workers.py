@@ -112,6 +112,9 @@ class ThreadEngine:
         running = min(len(self._active), self._max_running)
         return Load(running=running, waiting=len(self._active) - running, kv_cache_usage=usage)
 
+    def alive(self) -> bool:
+        return not self._closing
+
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         """Start generating on a worker thread; the caller holds a concurrency slot."""
         if self._closing:

@@ -203,12 +203,17 @@ async def watch_policy(state: ProxyState) -> None:
     last: tuple[Stamp, ...] | None = None
     while True:
         policy = state.current.policy
-        now = await asyncio.to_thread(_watched, policy.source, policy.faq.file)
+        files = (policy.source, policy.faq.file)
+        now = await asyncio.to_thread(_watched, *files)
         if last is not None and changed(last, now):
             await state.reload_coalesced("file_changed")
-            # The reload may name another FAQ file: watch what is running now.
             policy = state.current.policy
-            now = await asyncio.to_thread(_watched, policy.source, policy.faq.file)
-            last = None
+            if (policy.source, policy.faq.file) != files:
+                # The reload names another FAQ file: watch what is running now.
+                now = await asyncio.to_thread(_watched, policy.source, policy.faq.file)
+                last = None
+            # Else `now` was taken before the reload read the files: an edit that
+            # lands while it runs (the FAQ written just after the policy) is a
+            # change next time, not taken for what the reload read.
         last = now if last is None else merge(last, now)
         await asyncio.sleep(state.current.policy.server.watch_interval_s)

@@ -9,7 +9,10 @@ serves what continuous batching cannot (logprobs, grammars, penalties, ...).
 
 from __future__ import annotations
 
+import http.client
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -417,3 +420,96 @@ def test_completions_honour_n_and_response_format(server: FallbackServer) -> Non
     assert [c["index"] for c in body["choices"]] == [0, 1]
     for choice in body["choices"]:
         assert json.loads(choice["text"]) in ({"answer": "yes"}, {"answer": "no"})
+
+
+def test_a_slow_schema_compile_does_not_hold_up_other_requests(server: FallbackServer) -> None:
+    """A deeply nested schema takes xgrammar seconds to compile (to a 400 here: its
+    innermost type is bad). It compiled on the one tokenizer thread, so every other
+    request, plain ones included, waited behind it (13.7 s at depth 480 on CPU)."""
+    depth = 300
+    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"nonsense"}' + "}}" * depth
+    body = (
+        '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"response_format":'
+        '{"type":"json_schema","json_schema":{"name":"deep","schema":' + schema + "}}}"
+    )
+    slow: dict[str, Any] = {}
+
+    def compile_slowly() -> None:
+        started = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            slow["status"], slow["body"] = response.status, response.read()
+        finally:
+            conn.close()
+        slow["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=compile_slowly)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        started = time.monotonic()
+        status, answer = server.post(
+            "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "temperature": 0}
+        )
+        assert status == 200, answer
+        latencies.append(time.monotonic() - started)
+    thread.join()
+    assert slow["status"] == 400, slow
+    assert b"response_format" in slow["body"]
+    # Plain requests kept being served while the schema compiled.
+    assert len(latencies) >= 3, (latencies, slow["seconds"])
+    assert max(latencies) < slow["seconds"] / 3, (latencies, slow["seconds"])
+
+
+def test_stop_token_ids_still_stop_with_ignore_eos(server: FallbackServer) -> None:
+    """vLLM's ignore_eos ignores the model's end tokens only. The threads engine (and the
+    batched engine's side lane) held every stop_token_id back too, with min_new_tokens =
+    max_tokens, so the answer ran on to max_tokens (the batch stopped)."""
+    prompt = "Paris is"
+    status, first = server.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    )
+    assert status == 200, first
+    _, ids = server.post(
+        "/tokenize", {"prompt": first["choices"][0]["text"], "add_special_tokens": False}
+    )
+    assert ids["count"] == 1, ids  # the greedy first token, as one id
+    for extra in ({}, {"logprobs": 0}):  # logprobs: the batched engine's side lane
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        status, answer = server.post(
+            "/v1/completions", body | {"stop_token_ids": ids["tokens"], **extra}
+        )
+        assert status == 200, answer
+        assert answer["choices"][0]["finish_reason"] == "stop", (extra, answer)
+        assert answer["usage"]["completion_tokens"] == 1, (extra, answer)
+
+
+def test_stop_strings_wait_for_min_tokens(server: FallbackServer) -> None:
+    """vLLM looks for stop strings only once the output is past min_tokens; here a stop
+    string in the first token ended the answer there, min_tokens notwithstanding."""
+    prompt = "Paris is"
+    status, first = server.post(
+        "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    )
+    assert status == 200, first
+    stop = first["choices"][0]["text"].strip()
+    assert stop, first
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    status, early = server.post("/v1/completions", body)
+    assert status == 200, early
+    assert early["usage"]["completion_tokens"] == 1  # without min_tokens: cut at once
+    status, held = server.post("/v1/completions", body | {"min_tokens": 8})
+    assert status == 200, held
+    assert held["usage"]["completion_tokens"] >= 8, held
+    assert held["choices"][0]["text"].startswith(first["choices"][0]["text"])
+
+
+def test_a_stop_token_id_past_int64_is_no_error(server: FallbackServer) -> None:
+    """No model has such a token; torch's int64 tensor of the end ids overflowed (500)."""
+    for extra in ({}, {"logprobs": 0}):  # logprobs: the batched engine's side lane
+        body = {"prompt": "Hi", "max_tokens": 3, "stop_token_ids": [2**64], **extra}
+        status, answer = server.post("/v1/completions", body)
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == 3

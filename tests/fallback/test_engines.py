@@ -10,6 +10,7 @@ every stream has produced a token and none has finished), never on timing.
 from __future__ import annotations
 
 import json
+import math
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,57 @@ def test_side_lane_shares_admission_and_metrics_and_frees_on_disconnect(
         for stream in [plain, *side]:
             stream.close()
     assert server.wait_metric("vllm:num_requests_running", 0, timeout=5) < 2.0
+
+
+def test_a_temperature_below_vllms_epsilon_is_greedy_and_the_engine_serves_on(
+    server: FallbackServer,
+) -> None:
+    """1e-300 rounds to 0 in float32: the logits divided by it were inf/nan, which
+    ended the batched engine's generation loop (every later request a 503 'shutting
+    down', /health still 200) and failed the request on the threads engine (500)."""
+
+    def content(temperature: float, **extra: Any) -> str:
+        body = {"messages": STORY, "max_tokens": 8, "temperature": temperature, **extra}
+        status, answer = server.post("/v1/chat/completions", body)
+        assert status == 200, answer
+        return str(answer["choices"][0]["message"]["content"])
+
+    greedy = content(0)
+    assert content(1e-300) == greedy
+    assert content(1e-300, seed=3) == greedy
+    assert content(1e-6, logprobs=True) == content(0, logprobs=True)  # the side lane too
+    assert content(0) == greedy  # and the engine still serves
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"],
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_number_is_a_400_and_the_engine_serves_on(
+    server: FallbackServer, field: str, value: float
+) -> None:
+    """Python's JSON reads NaN and Infinity (json.dumps writes them): a NaN temperature
+    made the logits nan, which ended the batched engine's loop (every later request a
+    503); the others were 200s or 500s."""
+    body = {"messages": STORY, "max_tokens": 4, field: value}
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field
+    status, answer = server.post("/v1/chat/completions", {"messages": STORY, "max_tokens": 2})
+    assert status == 200, answer
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**70])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(server: FallbackServer, top_k: int) -> None:
+    """2**31 overflowed the batched engine's int32 tensor of top_k inside its generation
+    loop, which died (that request a 500, every later one a 503)."""
+    for extra in ({}, {"logprobs": True}):  # logprobs: the batched engine's side lane
+        body = {"messages": STORY, "max_tokens": 4, "top_k": top_k, "seed": 1, **extra}
+        status, answer = server.post("/v1/chat/completions", body)
+        assert status == 200, answer
+    status, answer = server.post("/v1/chat/completions", {"messages": STORY, "max_tokens": 2})
+    assert status == 200, answer
 
 
 def test_continuation_continues_the_partial_assistant_message(server: FallbackServer) -> None:

@@ -119,7 +119,15 @@ def test_unsupported_parameters(server: FallbackServer, extra: dict[str, Any], p
         ),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
+        # int() refuses a superscript digit and more than 4,300 digits (were 500s).
+        ({"logit_bias": {"\u00b2": 5}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 5}}, "logit_bias"),
+        ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # an Arabic-Indic 3
         ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # vLLM's 400; was clamped
+        # Each is matched after every token (on the event loop, batched): bounded.
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
+        ({"min_tokens": 6, "max_completion_tokens": 5}, "min_tokens"),
         # A grammar ends on the end token, which ignore_eos would forbid.
         ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
@@ -131,6 +139,57 @@ def test_invalid_values_of_honoured_fields(
     status, body = server.post("/v1/chat/completions", {"messages": HELLO, **extra})
     assert status == 400, body
     _assert_error(body, param=param, code="invalid_value")
+
+
+_LONE_SURROGATE_TOOL = {"name": "a", "parameters": {"properties": {"\ud800": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "\ud800 hi"}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HELLO,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"enum": ["ok", "\udfff"]}},
+                },
+            },
+            "response_format.json_schema.schema.enum[1]",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HELLO,
+                "tools": [{"type": "function", "function": _LONE_SURROGATE_TOOL}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters.properties.\\ud800",
+        ),
+        ("/v1/completions", {"prompt": "x\udc00"}, "prompt"),
+        ("/tokenize", {"prompt": "x\udc00"}, "prompt"),
+    ],
+)
+def test_a_lone_surrogate_escape_is_a_400_naming_the_field(
+    server: FallbackServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    """`"\\ud800"` is valid JSON but not Unicode: the tokenizer or xgrammar raised (500)."""
+    status, answer = server.post(path, {"max_tokens": 1, **body} if path != "/tokenize" else body)
+    assert status == 400, answer
+    _assert_error(answer, param=param, code="invalid_value")
+
+
+def test_a_pair_of_surrogate_escapes_is_one_character(server: FallbackServer) -> None:
+    # json.dumps escapes every emoji so, as "\\ud83d\\ude00".
+    messages = [{"role": "user", "content": "\U0001f600"}]
+    status, answer = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == 200, answer
 
 
 def test_openai_client_sees_bad_request_naming_the_field(
@@ -198,3 +257,10 @@ def test_unknown_route_and_method_keep_the_error_shape(server: FallbackServer) -
     status, body = server.post("/v1/models", {})
     assert status == 405
     _assert_error(body, param=None, code=None)
+
+
+def test_sixty_four_stop_strings_are_fine(server: FallbackServer) -> None:
+    stops = [f"never{i}" for i in range(64)] + ["never0"]  # duplicates count once
+    body = {"messages": HELLO, "max_tokens": 2, "stop": stops}
+    status, answer = server.post("/v1/chat/completions", body)
+    assert status == 200, answer

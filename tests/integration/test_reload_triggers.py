@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -146,3 +147,38 @@ async def test_a_stream_longer_than_the_drain_limit_is_not_cut_by_a_reload(
 
         await wait_for(drained, "the old generation to be closed after its stream")
     assert [e for e in logs if e["event"] == "generation_still_draining"]
+
+
+async def test_an_edit_landing_while_the_watch_reload_runs_is_reloaded_too(
+    fake_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deploy writes the policy, then the FAQ: the watch sees the policy edit and
+    reloads; the FAQ edit lands after the reload read it. The watch took its stamps
+    after the reload, so that edit looked already loaded and never was."""
+    path = tmp_path / "policy.yaml"
+    faq = tmp_path / "faq.yaml"
+    faq.write_text(FAQ.format(answer="Refunds take 5 days."))
+    watch = "  watch_policy: true\n  watch_interval_s: 0.05\n"
+    write(path, fake_upstream.url, server=watch, rest="faq:\n  file: faq.yaml\n")
+    proxy = await start_proxy(load_policy(path))
+    real_load = state_module.load_policy
+    edits = ["Refunds take 3 days now."]
+
+    def load_then_edit(source: str | Path) -> Any:
+        policy = real_load(source)
+        if edits:  # the FAQ edit lands just after this reload read the files
+            faq.write_text(FAQ.format(answer=edits.pop()))
+        return policy
+
+    monkeypatch.setattr(state_module, "load_policy", load_then_edit)
+    await asyncio.sleep(0.2)  # the watch has its first stamps
+    write(path, fake_upstream.url, server=watch, rest="faq:\n  file: faq.yaml\n  threshold: 0.4\n")
+
+    async def faq_reloaded() -> bool:
+        entries = proxy.app[STATE].current.policy.faq.entries
+        return [e.answer for e in entries] == ["Refunds take 3 days now."]
+
+    await wait_for(faq_reloaded, "the FAQ edit made during the reload to be reloaded")
