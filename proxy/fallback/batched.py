@@ -235,6 +235,13 @@ class BatchedEngine:
         """The library's loop thread ends on any error in a generation step, for good."""
         return not self._closing and bool(self._manager.is_running())
 
+    @property
+    def side_slots(self) -> int:
+        return 0 if self._side is None else self._side.max_running
+
+    def in_side_lane(self, spec: GenerationSpec) -> bool:
+        return self._side is not None and bool(unsupported_fields(spec, self._batch_caps))
+
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         if not self.alive():
             raise EngineClosed

@@ -49,7 +49,7 @@ from proxy.fallback.interface import (
 from proxy.fallback.parsing import parse_chat, parse_completion, resolve_max_tokens
 from proxy.fallback.protocol import ChatRequest, CompletionRequest, Output, SamplingParams
 from proxy.fallback.shapes import ChatShape, ChoiceResult, CompletionShape, Shape, Usage
-from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, WORKERS
+from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, SIDE_ADMISSION, WORKERS
 from proxy.fallback.support import API_SUPPORT, ApiSupport
 from proxy.openai.headers import SSE_HEADERS
 
@@ -122,19 +122,24 @@ def _specs(job: _Job, max_tokens: int) -> list[GenerationSpec]:
 
 async def _run(request: web.Request, shape: Shape, job: _Job) -> web.StreamResponse:
     app = request.app
-    settings, admission, metrics = app[SETTINGS], app[ADMISSION], app[METRICS]
+    settings, metrics, workers = app[SETTINGS], app[METRICS], app[WORKERS]
     max_tokens = resolve_max_tokens(
         len(job.prompt_ids), job.sampling.max_tokens, settings.max_model_len
     )
+    specs = _specs(job, max_tokens)
+    # A request for the side lane waits for a side-lane slot, never in the
+    # batch's queue (where it would hold a slot the batch could use).
+    side = app.get(SIDE_ADMISSION)
+    admission = side if side is not None and workers.in_side_lane(specs[0]) else app[ADMISSION]
     queued = time.monotonic()
     try:
         await admission.acquire()
     except QueueFull:
-        raise overloaded(app) from None
+        raise overloaded(app, admission) from None
     metrics.queue_time.observe(time.monotonic() - queued)
     choices = Choices(
-        app[WORKERS],
-        _specs(job, max_tokens),
+        workers,
+        specs,
         metrics,
         job.arrived,
         release=admission.release,

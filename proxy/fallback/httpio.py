@@ -8,9 +8,10 @@ import re
 import orjson
 from aiohttp import web
 
+from proxy.fallback.admission import Admission
 from proxy.fallback.errors import APIError, invalid
 from proxy.fallback.shapes import JSONObject
-from proxy.fallback.state import ADMISSION, SETTINGS, Settings
+from proxy.fallback.state import ADMISSION, SETTINGS, SIDE_ADMISSION, Settings
 from proxy.openai.errors import error_body
 
 # A UTF-16 surrogate can only reach a parsed string through a \uD800-\uDFFF escape.
@@ -81,13 +82,17 @@ def check_model(requested: str | None, settings: Settings) -> None:
 
 
 def check_capacity(app: web.Application) -> None:
-    """Shed before tokenizing when the queue is already full (cheap 503)."""
-    if app[ADMISSION].is_full():
+    """Shed before tokenizing when every queue a request could join is full
+    (cheap 503; which lane it takes is known only once it is parsed)."""
+    side = app.get(SIDE_ADMISSION)
+    if app[ADMISSION].is_full() and (side is None or side.is_full()):
         raise overloaded(app)
 
 
-def overloaded(app: web.Application) -> APIError:
-    admission, settings = app[ADMISSION], app[SETTINGS]
+def overloaded(app: web.Application, admission: Admission | None = None) -> APIError:
+    settings = app[SETTINGS]
+    if admission is None:
+        admission = app[ADMISSION]
     return APIError(
         503,
         f"The server is overloaded ({admission.running} running, {admission.waiting} "

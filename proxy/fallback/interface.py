@@ -228,6 +228,15 @@ class GenerationEngine(Protocol):
         """Generations it runs at once (the admission's slot count)."""
         ...
 
+    @property
+    def side_slots(self) -> int:
+        """Slots of a side lane for what the main path cannot honour (0: none)."""
+        ...
+
+    def in_side_lane(self, spec: GenerationSpec) -> bool:
+        """Whether `spec` runs in the side lane (it then takes a side-lane slot)."""
+        ...
+
     def submit(self, spec: GenerationSpec, observer: Observer) -> Generation:
         """Start generating; the caller holds an admission slot. Raises `EngineClosed`."""
         ...

@@ -31,9 +31,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 class FallbackMetrics:
     def __init__(
-        self, model_name: str, admission: Admission, load: Callable[[], Load] | None = None
+        self,
+        model_name: str,
+        admission: Admission,
+        load: Callable[[], Load] | None = None,
+        side: Admission | None = None,
     ) -> None:
-        """`load` reads the engine in use; without one, the admission's counts stand in."""
+        """`load` reads the engine in use; without one, the admission's counts stand in.
+        `side`: the side lane's own admission, whose queue counts as waiting too."""
         self.registry = CollectorRegistry()
         r = self.registry
         m = ["model_name"]
@@ -48,7 +53,10 @@ class FallbackMetrics:
             m,
             registry=r,
         )
-        waiting.labels(model_name).set_function(lambda: admission.waiting + read().waiting)
+        queues = (admission,) if side is None else (admission, side)
+        waiting.labels(model_name).set_function(
+            lambda: sum(q.waiting for q in queues) + read().waiting
+        )
         kv = Gauge(
             "vllm:kv_cache_usage_perc",
             "KV cache in use, 0-1 (batched: the paged cache's used blocks; threads: the "

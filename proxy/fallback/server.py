@@ -27,7 +27,15 @@ from proxy.fallback.admission import Admission
 from proxy.fallback.engine import Engine, ModelLoadError
 from proxy.fallback.interface import GenerationEngine
 from proxy.fallback.metrics import FallbackMetrics
-from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, WORKERS, Settings
+from proxy.fallback.state import (
+    ADMISSION,
+    ENGINE,
+    METRICS,
+    SETTINGS,
+    SIDE_ADMISSION,
+    WORKERS,
+    Settings,
+)
 from proxy.fallback.support import API_SUPPORT, ApiSupport
 from proxy.fallback.workers import ThreadEngine
 from proxy.telemetry.logs import configure_logging
@@ -52,10 +60,13 @@ def create_app(
     if generator is None:
         generator = ThreadEngine(engine, settings.max_concurrency)
     admission = Admission(generator.max_running, settings.max_queue)
+    side = Admission(generator.side_slots, settings.max_queue) if generator.side_slots else None
     app[SETTINGS] = settings
     app[ENGINE] = engine
     app[ADMISSION] = admission
-    app[METRICS] = FallbackMetrics(settings.served_model_name, admission, generator.load)
+    if side is not None:
+        app[SIDE_ADMISSION] = side
+    app[METRICS] = FallbackMetrics(settings.served_model_name, admission, generator.load, side=side)
     app[WORKERS] = generator
     app[API_SUPPORT] = ApiSupport.load(engine.path)  # API helper: chat template + xgrammar
     app.on_shutdown.append(_cancel_generations)

@@ -28,6 +28,9 @@ class Settings:
 SETTINGS = web.AppKey("settings", Settings)
 ENGINE = web.AppKey("engine", Engine)
 ADMISSION = web.AppKey("admission", Admission)
+# The side lane's own slots and queue (only when the engine has a side lane), so
+# requests waiting for a side thread never hold the batch's slots.
+SIDE_ADMISSION = web.AppKey("side_admission", Admission)
 METRICS = web.AppKey("metrics", FallbackMetrics)
 # The generation engine in use (threads or batched); the name predates the interface.
 WORKERS = web.AppKey("workers", GenerationEngine)

@@ -99,6 +99,13 @@ class ThreadEngine:
     def max_running(self) -> int:
         return self._max_running
 
+    @property
+    def side_slots(self) -> int:
+        return 0
+
+    def in_side_lane(self, spec: GenerationSpec) -> bool:
+        return False
+
     async def tokenize(self, fn: Callable[[], T]) -> T:
         """Run a tokenizer call on the tokenizer thread."""
         return await self._tokenizer.run(fn)

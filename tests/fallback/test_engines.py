@@ -122,9 +122,10 @@ def test_side_lane_shares_admission_and_metrics_and_frees_on_disconnect(
 ) -> None:
     """Requests continuous batching cannot honour (here logprobs) still count and cancel.
 
-    The batched engine runs them on its side lane (2 threads by default): a
-    third one waits for a thread, counted as waiting, and its client leaving
-    ends it at once. The threads engine runs all of them.
+    The batched engine runs them on its side lane (2 slots by default): a
+    third one waits in the side lane's own queue (not in the batch's, where
+    it would hold a slot the batch could use), counted as waiting, and its
+    client leaving ends it at once. The threads engine runs all of them.
     """
     name = server.served_model_name
     _, models = http_json("GET", server.url + "/v1/models")
@@ -140,9 +141,11 @@ def test_side_lane_shares_admission_and_metrics_and_frees_on_disconnect(
         _first_content(plain)
         for stream in side[:2]:
             _first_content(stream)
-        assert side[2].response.status == 200  # admitted
         if not batched:
+            assert side[2].response.status == 200  # admitted
             _first_content(side[2])
+        else:
+            server.wait_metric("vllm:num_requests_waiting", 1, timeout=5)
         assert server.metric("vllm:num_requests_running") == (3 if batched else 4)
         assert server.metric("vllm:num_requests_waiting") == (1 if batched else 0)
         side[2].close()
@@ -313,3 +316,38 @@ def test_batched_over_capacity_503_then_sigterm_ends_streams_in_band(
     last = json.loads(rest[-2])
     assert last["error"]["code"] == 503
     assert "shutting down" in last["error"]["message"]
+
+
+def test_side_lane_traffic_never_holds_the_batchs_slots(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Batch capacity 2, one side slot: two side-lane requests (logprobs) take the
+    side slot and the side queue, and a plain request still starts at once.
+    Before, side requests waiting for a side thread held batch slots: the plain
+    request queued behind them while the batch itself was idle."""
+    args = ["--engine", "batched", "--max-concurrency", "2", "--side-slots", "1"]
+    server = start_server(tiny_model_dir, tmp_path / "server.log", [*args, "--max-queue", "4"])
+    try:
+        name = server.served_model_name
+        side = [
+            RawStream(
+                server, "/v1/chat/completions", _long_stream(name, f"Go {i}") | {"logprobs": True}
+            )
+            for i in range(2)
+        ]
+        streams = list(side)
+        try:
+            server.wait_metric("vllm:num_requests_running", 1, timeout=10)
+            server.wait_metric("vllm:num_requests_waiting", 1, timeout=10)
+            plain = RawStream(server, "/v1/chat/completions", _long_stream(name))
+            streams.append(plain)
+            _first_content(plain)  # admitted and generating while both side requests hold on
+            assert server.metric("vllm:num_requests_running") == 2
+            assert server.metric("vllm:num_requests_waiting") == 1
+        finally:
+            for stream in streams:
+                stream.close()
+        server.wait_metric("vllm:num_requests_running", 0, timeout=10)
+        server.wait_metric("vllm:num_requests_waiting", 0, timeout=10)
+    finally:
+        stop_server(server)
