@@ -259,6 +259,59 @@ async def test_the_retry_budget_bounds_retries_in_a_burst(
     )
 
 
+async def test_requests_shed_by_admission_buy_no_retries(
+    fake_upstream: FakeUpstream,
+    fallback_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+) -> None:
+    """A 429 from admission never reached the backend: it is not one of the
+    backend's requests in its retry budget. On main each shed counted, so a
+    burst of sheddable 429s bought the next failing request a retry that
+    `ratio × requests + floor` (here 0.2 × 1 + 0) does not allow."""
+    handler, seen = failing_once(http_500, pred=lambda body: body["messages"][0]["content"] == "x")
+    fake_upstream.handlers[CHAT] = handler
+    fallback_upstream.handlers[CHAT] = lambda r: answer(r, "fallback")
+    pol = policy(
+        fake_upstream.url,
+        fallback_upstream.url,
+        extra={
+            "server": {"admin_token": "t0ken"},
+            "ladder": {
+                "breaker": {"fail_max": 1000, "failure_rate": 0},
+                "failover": {"retry_budget_ratio": 0.2, "retry_budget_min": 0},
+            },
+        },
+    )
+    proxy = await start_proxy(pol)
+    admin = {"Authorization": "Bearer t0ken"}
+    async with proxy.session.post(
+        proxy.url + "/brownout/tier", json={"tier": "throttle"}, headers=admin
+    ) as r:
+        assert r.status == 200
+    await wait_until(lambda: proxy.app[STATE].current.admission.shed_sheddable)  # next window
+    for _ in range(10):
+        async with proxy.session.post(
+            proxy.url + CHAT, json=BODY, headers={"X-Priority": "sheddable"}
+        ) as r:
+            assert r.status == 429 and r.headers["X-Brownout-Backend"] == "primary"
+            assert (await r.json())["error"]["type"] == "rate_limit_error"
+    assert seen[0] == 0  # shed before any backend call
+    async with proxy.session.post(
+        proxy.url + "/brownout/tier", json={"tier": None}, headers=admin
+    ) as r:
+        assert r.status == 200
+
+    body = {**BODY, "messages": [{"role": "user", "content": "x"}]}
+    async with proxy.session.post(proxy.url + CHAT, json=body) as r:
+        assert r.status == 200
+        assert r.headers["X-Brownout-Backend"] == "fallback"
+        assert text_of(await r.read()) == "from fallback"
+    assert seen[0] == 1  # no retry on the primary
+    m = await metrics(proxy)
+    assert total(m, "brownout_retries_total", **{"from": "primary", "to": "primary"}) == 0
+    assert total(m, "brownout_retry_budget_exhausted_total", backend="primary") == 1
+
+
 # ---------------------------------------------------------------------------- item 5
 
 
