@@ -83,14 +83,23 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
 async def _stages(rec: RequestRecord, inbox: Inbox) -> tuple[web.StreamResponse, Terminal]:
     rt = rec.rt
     await load_history(rec, inbox)
+    # In maintenance a backend gets a request only as its recovery trial
+    # (Runtime.route): the maintenance answer stays the tier's answer unless
+    # the trial answers — a backend that cannot take this request (fields it
+    # does not honour, a window too small, its admission full) is no reason
+    # to answer otherwise than without the trial.
+    trial = rt.tier == "maintenance"
     dest, candidates = rt.route()
     if dest == "maintenance":
         return maintenance(rec, inbox, f"tier {rt.tier}")
     passthrough = rec.endpoint == "passthrough"
     result = await run_attempts(rec, inbox, candidates, passthrough=passthrough)
+    unanswered = (
+        result is None or result.kind == "failed" or (trial and result.kind in ("refused", "shed"))
+    )
+    if unanswered and rt.policy.ladder.maintenance.enabled:
+        return maintenance(rec, inbox, "no backend could answer")
     if result is None or result.kind == "failed":
-        if rt.policy.ladder.maintenance.enabled:
-            return maintenance(rec, inbox, "no backend could answer")
         if result is None:
             return proxy_error(rec, 502, "no backend could be reached", "upstream_unreachable")
         return passed_error(rec, result)

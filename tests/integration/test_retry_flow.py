@@ -431,6 +431,58 @@ async def test_fields_the_fallback_does_not_honour_are_refused_by_name(
     assert chat_calls(fallback_upstream) == []
 
 
+async def test_a_maintenance_trial_that_cannot_take_the_fields_gives_the_maintenance_answer(
+    fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """In maintenance, with no recovery probe, a real request is a backend's
+    half-open trial. On main a trial on a fallback that does not honour the
+    request's tools answered 503 `unsupported_fields` — while the same
+    request a moment earlier (no trial due) got the maintenance answer. The
+    tier's answer does not depend on whether a trial was due: the maintenance
+    answer, and the next request that the fallback can take is the trial."""
+    state = {"failing": True}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if state["failing"]:
+            return await http_500(request)
+        return await answer(request, "fallback")
+
+    fallback_upstream.handlers[CHAT] = chat
+    pol = policy(
+        f"http://127.0.0.1:{free_port()}",  # the primary refuses connections
+        fallback_upstream.url,
+        maintenance=True,
+        extra={
+            "ladder": {
+                "failover": {"recovery_probe": False, "retry_max": 0},
+                "breaker": {"fail_max": 2, "reset_timeout_s": 0.2},
+                "maintenance": {"notice": "down for maintenance"},
+            }
+        },
+    )
+    proxy = await start_proxy(pol)
+    rt = proxy.app[STATE].current
+    await wait_until(lambda: rt.upstreams["primary"].down)
+    for _ in range(2):
+        async with proxy.session.post(proxy.url + CHAT, json=BODY) as r:
+            await r.read()
+    await wait_until(lambda: rt.tier == "maintenance")
+    fb = rt.upstreams["fallback"]
+    await wait_until(lambda: fb.trial_due(rt.clock()))
+    async with proxy.session.post(proxy.url + CHAT, json=TOOL_BODY) as r:
+        raw = await r.read()
+        assert r.status == 200, raw
+        assert r.headers["X-Brownout-Backend"] == "maintenance"
+        assert "Retry-After" in r.headers
+        assert text_of(raw) == "down for maintenance"
+    assert fb.trial_due(rt.clock())  # no outcome: the trial slot is free again
+    state["failing"] = False
+    async with proxy.session.post(proxy.url + CHAT, json=BODY) as r:
+        assert r.status == 200
+        assert r.headers["X-Brownout-Backend"] == "fallback"
+        assert text_of(await r.read()) == "from fallback"
+
+
 async def test_drop_policy_names_what_it_dropped(
     fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
