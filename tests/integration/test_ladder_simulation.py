@@ -57,7 +57,7 @@ import yaml
 from aiohttp import web
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import create_app
@@ -97,7 +97,7 @@ settings.register_profile(
 )
 
 
-def sim_policy(primary: str, fallback: str) -> Policy:
+def sim_policy(primary: str, fallback: str, recovery_probe: bool = True) -> Policy:
     def backend(url: str, kind: str) -> dict[str, Any]:
         return {
             "url": url,
@@ -123,7 +123,11 @@ def sim_policy(primary: str, fallback: str) -> Policy:
                 "queue_size": 2,
                 "queue_timeout_s": 0.5,
             },
-            "failover": {"retry_backoff_s": 0.01, "retry_backoff_max_s": 0.02},
+            "failover": {
+                "retry_backoff_s": 0.01,
+                "retry_backoff_max_s": 0.02,
+                "recovery_probe": recovery_probe,
+            },
             "recovery": {
                 "window_s": W,
                 "min_dwell_s": 1.0,
@@ -213,17 +217,27 @@ class ProxySimulation(RuleBasedStateMachine):
         self.glitches: list[str] = []
         self.sessions: dict[str, list[Turn]] = {}
         self.tainted: set[str] = set()  # sessions whose last turn is unknown
-        self.run(self._start())
+        self.started = False
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
+
+    @initialize(recovery_probe=st.sampled_from([True, True, False]))
+    def start(self, recovery_probe: bool) -> None:
+        """With recovery probes (the default), or without: then real requests
+        are the breakers' half-open trials, and coming home needs traffic, so
+        the liveness checks are off (the probe variant makes them)."""
+        self.recovery_probe = recovery_probe
+        self.run(self._start())
+        self.started = True
 
     async def _start(self) -> None:
         self.backends = {
             "primary": await ScriptedBackend.start("primary"),
             "fallback": await ScriptedBackend.start("fallback"),
         }
-        self.policy = sim_policy(self.backends["primary"].url, self.backends["fallback"].url)
+        urls = self.backends["primary"].url, self.backends["fallback"].url
+        self.policy = sim_policy(*urls, recovery_probe=self.recovery_probe)
         self.bound = (
             recovery_bound(self.policy.ladder.recovery)
             + self.policy.ladder.breaker.reset_timeout_s
@@ -245,6 +259,9 @@ class ProxySimulation(RuleBasedStateMachine):
         await self._windows(1)
 
     def teardown(self) -> None:
+        if not self.started:
+            self.loop.close()
+            return
         if self.glitches:
             print(f"host-timing glitches (healthy clock restarted): {self.glitches}")
 
@@ -266,7 +283,7 @@ class ProxySimulation(RuleBasedStateMachine):
     def healthy_for(self, name: str) -> float:
         """Fake seconds the backend has been healthy, nothing forced since."""
         since = self.healthy_since[name]
-        if since is None or self.forced is not None:
+        if since is None or self.forced is not None or not self.recovery_probe:
             return -1.0
         return self.clock.t - max(since, self.released_at)
 
@@ -440,6 +457,16 @@ class ProxySimulation(RuleBasedStateMachine):
             assert self.rt.tier == "maintenance", self.rt.ladder.snapshot()
         self.set_mode("primary", primary, "0")
         self.set_mode("fallback", fallback, "0")
+
+    @rule(rejects_prefill=st.booleans(), session=st.booleans())
+    def cut_mid_answer(self, rejects_prefill: bool, session: bool) -> None:
+        """The primary starts cutting streams mid-answer, under streaming load
+        (rescued on the fallback by prefill, or by prompt where it refuses a
+        prefill, or ended with an error event — whatever the fallback does)."""
+        self.set_mode("primary", "cut", "0")
+        self.backends["fallback"].rejects_prefill = rejects_prefill
+        cut = Ask(stream=True, priority=None, session=session, logprobs=False, deadline=None)
+        self.run(self._load([cut, cut]))
 
     # -- rules: load -----------------------------------------------------------------------
 
