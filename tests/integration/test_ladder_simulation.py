@@ -7,8 +7,13 @@ Hypothesis drives random schedules of rules: each backend's behaviour
 (healthy, down, 5xx storm, flapping, stall before the first byte, stream cut
 mid-answer, slow first token, 429 with Retry-After, prefill rejection, the
 engine's waiting queue), load (streaming and not, with priorities, session
-ids, fields the fallback does not honour, client deadlines), an operator
-forcing and releasing tiers through the admin API, and time.
+ids, fields the fallback does not honour, prompts too long for the
+fallback, client deadlines), an operator forcing and releasing tiers
+through the admin API, and time. An initialize rule runs the proxy with
+recovery probes (the default) or without (real requests are the breakers'
+trials). Settings: the `ladder-sim` profile (12 examples × 25 steps, about
+25 s here); `BROWNOUT_SIM_EXAMPLES` / `BROWNOUT_SIM_STEPS` search longer,
+`SIM_NOSHRINK=1` skips shrinking.
 
 Time: the app runs on an injectable clock (`create_app(policy, clock)`) that
 only the `advance` rules move. The app's own evaluation loop is replaced by
@@ -27,6 +32,9 @@ What a client notices, checked after every request and every step:
   Retry-After or naming the fields, 400 naming its param — never a plain-text
   500, never a silently truncated stream, never a hang past the client's
   bound;
+- no fault other than host timing is ever charged to a healthy backend
+  (`brownout_upstream_errors_total`, its probes); host timing (a late
+  first byte on this shared machine) restarts its healthy clock;
 - `X-Brownout-Backend` names who answered (the text says so too), never a
   backend the schedule has down, never the fallback for a field it does not
   honour;
