@@ -116,8 +116,6 @@ async def run_attempts(
             permit = up.breaker_for(rec.model).allow()
             if permit is None:
                 break
-            if not retries:
-                budget.request(started, pol.retry_budget_window_s)  # retries are not requests
             if prev is not None and prev is not up:
                 inbox.retry(prev, up, why)
             prev = up
@@ -130,6 +128,11 @@ async def run_attempts(
                     result = await rescue_or_end(rec, up, result, inbox)
             finally:
                 inbox.settle(up, permit)
+            if not retries and result.kind != "shed":
+                # Retries are not requests, and neither is a request that
+                # admission shed before it reached the backend: counted, a
+                # burst of 429s would buy the admitted requests extra retries.
+                budget.request(started, pol.retry_budget_window_s)
             remaining = deadline - loop.time()
             d = next_step(
                 result,

@@ -50,6 +50,12 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         if rec.session is not None:
             await load_history(rec, inbox)
         rt = rec.rt
+        # In maintenance a backend gets a request only as its recovery trial
+        # (Runtime.route): the maintenance answer stays the tier's answer unless
+        # the trial answers — a backend that cannot take this request (fields it
+        # does not honour, a window too small, its admission full) is no reason
+        # to answer otherwise than without the trial.
+        trial = rt.tier == "maintenance"
         dest, candidates = rt.route()
         if dest == "maintenance":
             response, term = maintenance(rec, inbox, f"tier {rt.tier}")
@@ -57,10 +63,16 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         result = await run_attempts(
             rec, inbox, candidates, passthrough=rec.endpoint == "passthrough"
         )
+        unanswered = (
+            result is None
+            or result.kind == "failed"
+            or (trial and result.kind in ("refused", "shed"))
+        )
+        if unanswered and rt.policy.ladder.maintenance.enabled:
+            response, term = maintenance(rec, inbox, "no backend could answer")
+            return response
         if result is None or result.kind == "failed":
-            if rt.policy.ladder.maintenance.enabled:
-                response, term = maintenance(rec, inbox, "no backend could answer")
-            elif result is None:
+            if result is None:
                 response, term = proxy_error(
                     rec, 502, "no backend could be reached", "upstream_unreachable"
                 )

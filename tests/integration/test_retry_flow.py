@@ -259,6 +259,59 @@ async def test_the_retry_budget_bounds_retries_in_a_burst(
     )
 
 
+async def test_requests_shed_by_admission_buy_no_retries(
+    fake_upstream: FakeUpstream,
+    fallback_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+) -> None:
+    """A 429 from admission never reached the backend: it is not one of the
+    backend's requests in its retry budget. On main each shed counted, so a
+    burst of sheddable 429s bought the next failing request a retry that
+    `ratio × requests + floor` (here 0.2 × 1 + 0) does not allow."""
+    handler, seen = failing_once(http_500, pred=lambda body: body["messages"][0]["content"] == "x")
+    fake_upstream.handlers[CHAT] = handler
+    fallback_upstream.handlers[CHAT] = lambda r: answer(r, "fallback")
+    pol = policy(
+        fake_upstream.url,
+        fallback_upstream.url,
+        extra={
+            "server": {"admin_token": "t0ken"},
+            "ladder": {
+                "breaker": {"fail_max": 1000, "failure_rate": 0},
+                "failover": {"retry_budget_ratio": 0.2, "retry_budget_min": 0},
+            },
+        },
+    )
+    proxy = await start_proxy(pol)
+    admin = {"Authorization": "Bearer t0ken"}
+    async with proxy.session.post(
+        proxy.url + "/brownout/tier", json={"tier": "throttle"}, headers=admin
+    ) as r:
+        assert r.status == 200
+    await wait_until(lambda: proxy.app[STATE].current.admission.shed_sheddable)  # next window
+    for _ in range(10):
+        async with proxy.session.post(
+            proxy.url + CHAT, json=BODY, headers={"X-Priority": "sheddable"}
+        ) as r:
+            assert r.status == 429 and r.headers["X-Brownout-Backend"] == "primary"
+            assert (await r.json())["error"]["type"] == "rate_limit_error"
+    assert seen[0] == 0  # shed before any backend call
+    async with proxy.session.post(
+        proxy.url + "/brownout/tier", json={"tier": None}, headers=admin
+    ) as r:
+        assert r.status == 200
+
+    body = {**BODY, "messages": [{"role": "user", "content": "x"}]}
+    async with proxy.session.post(proxy.url + CHAT, json=body) as r:
+        assert r.status == 200
+        assert r.headers["X-Brownout-Backend"] == "fallback"
+        assert text_of(await r.read()) == "from fallback"
+    assert seen[0] == 1  # no retry on the primary
+    m = await metrics(proxy)
+    assert total(m, "brownout_retries_total", **{"from": "primary", "to": "primary"}) == 0
+    assert total(m, "brownout_retry_budget_exhausted_total", backend="primary") == 1
+
+
 # ---------------------------------------------------------------------------- item 5
 
 
@@ -376,6 +429,58 @@ async def test_fields_the_fallback_does_not_honour_are_refused_by_name(
     for name in ("tools", "tool_choice", "logprobs", "response_format"):
         assert name in err["message"]
     assert chat_calls(fallback_upstream) == []
+
+
+async def test_a_maintenance_trial_that_cannot_take_the_fields_gives_the_maintenance_answer(
+    fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """In maintenance, with no recovery probe, a real request is a backend's
+    half-open trial. On main a trial on a fallback that does not honour the
+    request's tools answered 503 `unsupported_fields` — while the same
+    request a moment earlier (no trial due) got the maintenance answer. The
+    tier's answer does not depend on whether a trial was due: the maintenance
+    answer, and the next request that the fallback can take is the trial."""
+    state = {"failing": True}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if state["failing"]:
+            return await http_500(request)
+        return await answer(request, "fallback")
+
+    fallback_upstream.handlers[CHAT] = chat
+    pol = policy(
+        f"http://127.0.0.1:{free_port()}",  # the primary refuses connections
+        fallback_upstream.url,
+        maintenance=True,
+        extra={
+            "ladder": {
+                "failover": {"recovery_probe": False, "retry_max": 0},
+                "breaker": {"fail_max": 2, "reset_timeout_s": 0.2},
+                "maintenance": {"notice": "down for maintenance"},
+            }
+        },
+    )
+    proxy = await start_proxy(pol)
+    rt = proxy.app[STATE].current
+    await wait_until(lambda: rt.upstreams["primary"].down)
+    for _ in range(2):
+        async with proxy.session.post(proxy.url + CHAT, json=BODY) as r:
+            await r.read()
+    await wait_until(lambda: rt.tier == "maintenance")
+    fb = rt.upstreams["fallback"]
+    await wait_until(lambda: fb.trial_due(rt.clock()))
+    async with proxy.session.post(proxy.url + CHAT, json=TOOL_BODY) as r:
+        raw = await r.read()
+        assert r.status == 200, raw
+        assert r.headers["X-Brownout-Backend"] == "maintenance"
+        assert "Retry-After" in r.headers
+        assert text_of(raw) == "down for maintenance"
+    assert fb.trial_due(rt.clock())  # no outcome: the trial slot is free again
+    state["failing"] = False
+    async with proxy.session.post(proxy.url + CHAT, json=BODY) as r:
+        assert r.status == 200
+        assert r.headers["X-Brownout-Backend"] == "fallback"
+        assert text_of(await r.read()) == "from fallback"
 
 
 async def test_drop_policy_names_what_it_dropped(
