@@ -75,6 +75,11 @@ async def call(
         reason = exc.os_error.strerror or str(exc)
         message = f"{up.name} backend unreachable: {reason}"
         return failed(up, 502, message, "upstream_unreachable", "connect", reason)
+    except aiohttp.ConnectionTimeoutError:
+        # aiohttp's `connect_s` (a TimeoutError too): the backend did not take
+        # the connection in time — not a first-byte timeout.
+        message = f"{up.name} backend did not accept a connection in time"
+        return failed(up, 504, message, "upstream_timeout", "connect_timeout")
     except TimeoutError:
         return failed(
             up,

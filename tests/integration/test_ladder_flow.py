@@ -12,8 +12,10 @@ always a poll with a deadline, never a fixed long sleep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -1109,3 +1111,40 @@ async def test_failure_rate_window_trips_breaker_without_consecutive_failures(
     assert await metric(proxy, "brownout_breaker_transitions_total", opened) == 1
     errors = {"backend": "primary", "kind": "http_503"}
     assert await metric(proxy, "brownout_upstream_errors_total", errors) == 5
+
+
+async def test_a_backend_that_does_not_accept_in_time_is_a_connect_timeout(
+    fakes: FakeFactory, start_proxy: ProxyFactory
+) -> None:
+    """A primary whose listen backlog is full (it never accepts) makes aiohttp's
+    connect timeout fire; that is counted as `connect_timeout` (it was reported
+    as a first-byte timeout) and the fallback answers."""
+    fallback = await fakes()
+    fallback.handlers["/v1/chat/completions"] = answering(FALLBACK_TEXT)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):  # fill the accept queue: further SYNs are dropped
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+            fillers.append(s)
+        await asyncio.sleep(0.1)
+        extra = "backends: {primary: {timeouts: {connect_s: 0.3}, health: {interval_s: 60}}}"
+        proxy = await start_proxy(ladder_policy(f"http://127.0.0.1:{port}", fallback.url, extra))
+        r = await ask(proxy)
+        assert r.status == 200
+        assert r.backend == "fallback"
+        assert r.text() == "from the fallback"
+        kinds = {"backend": "primary", "kind": "connect_timeout"}
+        assert await metric(proxy, "brownout_upstream_errors_total", kinds) == 1
+        first_byte = {"backend": "primary", "kind": "first_byte_timeout"}
+        assert await metric(proxy, "brownout_upstream_errors_total", first_byte) == 0
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()

@@ -93,7 +93,7 @@ LONG = "word " * 4000
 # backends' deadlines are real time): a late first byte or event, a pooled
 # connection the restarted fake had closed. Any other fault charged to a
 # healthy backend fails the test; these restart its healthy clock (a glitch).
-HOST_TIMING = frozenset({"first_byte_timeout", "idle_timeout", "request"})
+HOST_TIMING = frozenset({"connect_timeout", "first_byte_timeout", "idle_timeout", "request"})
 HOST_TIMING_REASONS = ("Timeout", "Disconnected", "ClientOSError")
 
 settings.register_profile(
