@@ -155,7 +155,14 @@ async def test_engine_death_recovery_and_maintenance(
         assert outcomes.count("complete") >= 1, results
         async with proxy.session.get(proxy.url + "/metrics") as resp:
             metrics = await resp.text()
-        assert 'brownout_stream_rescues_total{outcome="rescued"}' in metrics
+        # A stream the kill cut mid-answer is rescued on the fallback. On a
+        # starved 2-core box vLLM's API server can hand the proxy a whole
+        # answer in one burst (seen: first token at 3.56 s, all 1,000 tokens
+        # 48 ms later), so every answer may be complete before the kill lands:
+        # then nothing was cut, and there is nothing to rescue.
+        cut = "brownout_stream_rescues_total{" in metrics or "error" in outcomes
+        if cut:
+            assert 'brownout_stream_rescues_total{outcome="rescued"}' in metrics, results
         # New requests are served by the fallback meanwhile.
         raw = await client.chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
