@@ -22,7 +22,7 @@ from proxy.openai.chunks import is_chunk_stream
 from proxy.openai.errors import upstream_error_body
 from proxy.pipeline.call import failed
 from proxy.pipeline.record import AttemptResult, RequestRecord
-from proxy.pipeline.relay import PASSTHROUGH_HEADERS, RETRYABLE_STATUS, relay_events
+from proxy.pipeline.relay import PASSTHROUGH_HEADERS, RETRYABLE_STATUS, relay_events, shed_fault
 
 # An error body read to pass it on is at most this long (an error, not an answer).
 _ERROR_BODY_MAX = 64 * 1024
@@ -85,7 +85,7 @@ async def relay_passthrough(
             up.name,
             status,
             "error",
-            fault="" if status == 429 else f"http_{status}",
+            fault=shed_fault(status, resp.headers),
             body=upstream_error_body(status, body),
         )
     headers = rec.headers(up.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Mapping
 
 import aiohttp
 from aiohttp import web
@@ -50,6 +51,18 @@ def _fault(status: int) -> str:
     return "" if status == 429 else f"http_{status}"  # 429 is load, not a broken backend
 
 
+def shed_fault(status: int, headers: Mapping[str, str]) -> str:
+    """The breaker fault of an HTTP error answer. A 429, or a 503 that says
+    when to come back (`Retry-After`: the fallback server's "over capacity",
+    a load balancer shedding), is load on a working backend, not a broken
+    one: it fails over (and is retried within the budget), but never opens
+    the backend's breaker — a burst would otherwise take a healthy fallback
+    out and send users to maintenance."""
+    if status == 503 and "Retry-After" in headers:
+        return ""
+    return _fault(status)
+
+
 async def relay_body(
     rec: RequestRecord, up: Upstream, resp: aiohttp.ClientResponse
 ) -> AttemptResult:
@@ -69,7 +82,7 @@ async def relay_body(
             up.name,
             status,
             "error",
-            fault=_fault(status),
+            fault=shed_fault(status, resp.headers),
             body=upstream_error_body(status, body),
             retry=f"http_{status}" if status in TRANSIENT_STATUS else "",
             retry_after=retry_after_s(resp.headers.get("Retry-After")),

@@ -761,3 +761,38 @@ async def test_an_event_stream_for_a_json_request_is_a_failure_not_a_502(
         assert (await r.json())["choices"][0]["message"]["content"] == "from the fallback"
     m = await metrics(proxy)
     assert total(m, "brownout_upstream_errors_total", backend="primary") == 1
+
+
+async def test_an_overloaded_503_with_retry_after_never_opens_the_breaker(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The fallback server says "over capacity" with 503 + Retry-After. Counted
+    as a fault, a burst opened a healthy fallback's breaker and sent users to
+    maintenance (chaos drill 6). Load is not a broken backend: the breaker
+    stays closed and the client gets the 503; a 503 without Retry-After still
+    counts."""
+
+    async def busy(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {"error": {"message": "over capacity", "type": "server_error", "code": "overloaded"}},
+            status=503,
+            headers={"Retry-After": "1"},
+        )
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom"}}, status=503)
+
+    fake_upstream.handlers[CHAT] = busy
+    extra = {"ladder": {"failover": {"retry_max": 0}, "breaker": {"fail_max": 2}}}
+    proxy = await start_proxy(policy(fake_upstream.url, None, extra=extra))
+    up = proxy.app[STATE].current.upstreams["primary"]
+    for _ in range(4):
+        async with proxy.session.post(proxy.url + CHAT, json={**CHAT_BODY, "stream": False}) as r:
+            assert r.status == 503
+            await r.read()
+    assert up.breaker.state == "closed"
+    fake_upstream.handlers[CHAT] = broken
+    for _ in range(2):
+        async with proxy.session.post(proxy.url + CHAT, json={**CHAT_BODY, "stream": False}) as r:
+            await r.read()
+    assert up.breaker.state == "open"
