@@ -117,6 +117,23 @@ async def stream_words(request: web.Request, words: list[str]) -> web.StreamResp
     return resp
 
 
+async def fallback_answer(request: web.Request) -> web.StreamResponse:
+    """A non-streaming chat answer "from the fallback"."""
+    return web.json_response(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "from the fallback"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    )
+
+
 async def wait_until(pred: Any, limit_s: float = 3.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
@@ -695,23 +712,8 @@ async def test_a_200_carrying_an_error_object_is_a_failure_not_an_answer(
     async def error_200(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "boom", "type": "server_error"}})
 
-    async def answer(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            {
-                "id": "x",
-                "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "from the fallback"},
-                        "finish_reason": "stop",
-                    }
-                ],
-            }
-        )
-
     fake_upstream.handlers[CHAT] = error_200
-    fallback_upstream.handlers[CHAT] = answer
+    fallback_upstream.handlers[CHAT] = fallback_answer
     extra = {"ladder": {"failover": {"retry_max": 0}}}
     proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
     async with proxy.session.post(proxy.url + CHAT, json={**CHAT_BODY, "stream": False}) as r:
@@ -736,23 +738,8 @@ async def test_an_event_stream_for_a_json_request_is_a_failure_not_a_502(
         await resp.write_eof()
         return resp
 
-    async def answer(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            {
-                "id": "x",
-                "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "from the fallback"},
-                        "finish_reason": "stop",
-                    }
-                ],
-            }
-        )
-
     fake_upstream.handlers[CHAT] = sse
-    fallback_upstream.handlers[CHAT] = answer
+    fallback_upstream.handlers[CHAT] = fallback_answer
     extra = {"ladder": {"failover": {"retry_max": 0}}}
     proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
     async with proxy.session.post(proxy.url + CHAT, json={**CHAT_BODY, "stream": False}) as r:
