@@ -1,14 +1,13 @@
-"""One backend: its HTTP client session, URLs, health probe and breakers.
+"""One backend: its HTTP client session, URLs, health and recovery probes.
 
 Each backend gets exactly one `ClientSession` (its own connection pool and
 keep-alive), created and closed in the app's cleanup context.
 
-Breakers: one per backend (`breaker`), except for a backend of kind `openai`
-that serves several models and has no `model` rewrite: there a request's
-model (one of those its /v1/models lists) gets its own breaker, so failures
-of one model never divert another's traffic. Ask `breaker_for(model)` for
-the permit and hand it back to `release_trial(permit)` (or report it to the
-runtime): a permit knows the breaker that issued it.
+Its breakers, their corroboration ledgers and its retry budget are decisions
+and live in `proxy.control.breakers` (`judge`); the methods here that name
+them only hand the backend's served models to it. A backend of kind `openai`
+that serves several models and has no `model` rewrite gets a breaker per
+model (`per_model`).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import structlog
 from yarl import URL
 
 from proxy.control.breaker import BackendBreaker, Permit
+from proxy.control.breakers import MAX_MODEL_BREAKERS, BreakerSet, ModelBreakerChange
 from proxy.control.retrybudget import RetryBudget
 from proxy.openai.capabilities import PLAIN, Capabilities, from_model_card
 from proxy.policy import BackendPolicy, BreakerPolicy
@@ -35,11 +35,7 @@ log = structlog.get_logger("brownout.upstream")
 
 # Answers to the recovery probe that blame the probe request, not the backend.
 MISCONFIGURED = frozenset({400, 404, 405, 422})
-# Models of one backend that get their own breaker (the rest share `breaker`).
-MAX_MODEL_BREAKERS = 64
 PING = '{"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1, "temperature": 0}'
-
-ModelBreakerChange = Callable[[str, str, str, str, str], None]  # backend, model, old, new, why
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,17 +73,24 @@ class Upstream:
     probe_task: asyncio.Task[None] | None = None
     # Every model id of /v1/models (kind openai: the per-model breakers' keys).
     served_models: tuple[str, ...] = ()
-    model_breakers: dict[str, BackendBreaker] = field(default_factory=dict)
-    on_model_breaker_change: ModelBreakerChange | None = None
     # Set when the recovery probe was refused as a request: real ones are the trial.
     probe_misconfigured: str | None = None
     # What it honours of a request (None: the whole OpenAI API, nothing checked):
     # read from /v1/models at discovery; a transformers fallback that
     # advertises nothing is taken to honour plain chat only.
     caps: Capabilities | None = None
-    retry_budget: RetryBudget = field(default_factory=RetryBudget)
+    # Breakers, their corroboration ledgers, the retry budget (decisions, in control/).
+    judge: BreakerSet = field(init=False)
+    # The shared recovery probe (`shared_probe`): in flight, and the last verdict.
+    _probe_flight: dict[str | None, asyncio.Task[str | ProbeMisconfigured | None]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _probe_seen: dict[str | None, tuple[float, str | ProbeMisconfigured | None]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
+        self.judge = BreakerSet(self.breaker)
         base = URL(self.policy.url.rstrip("/"))
         self.base = base
         # Parsed once: building a URL per request is measurable at high rates.
@@ -109,7 +112,7 @@ class Upstream:
         self.drop_params: tuple[str, ...] = p.drop_params
         self.caps = PLAIN if p.kind == "transformers" else None
 
-    # -- breakers --------------------------------------------------------------
+    # -- breakers (the decisions live in proxy.control.breakers) --------------
 
     @property
     def per_model(self) -> bool:
@@ -120,64 +123,28 @@ class Upstream:
             and (len(self.served_models) > 1)
         )
 
+    @property
+    def model_breakers(self) -> dict[str, BackendBreaker]:
+        return self.judge.model_breakers
+
+    @property
+    def retry_budget(self) -> RetryBudget:
+        return self.judge.retry_budget
+
     def breaker_for(self, model: str | None) -> BackendBreaker:
-        """The breaker that admits a request for `model` (the request's
-        `model` field as sent to this backend). The backend's own breaker
-        while it is not closed (opened by another replica, or by requests
-        without a served model): it gates every model, and real requests can
-        then be its half-open trial."""
-        if model is None or not self.per_model or model not in self.served_models:
-            return self.breaker
-        if self.breaker.state != "closed":
-            return self.breaker
-        b = self.model_breakers.get(model)
-        if b is None:
-            b = BackendBreaker(
-                self.name, self.breaker.policy, self.breaker.clock, self._model_change(model)
-            )
-            b.model = model
-            self.model_breakers[model] = b
-            if self.on_model_breaker_change is not None:
-                self.on_model_breaker_change(self.name, model, "closed", "closed", "created")
-        return b
-
-    def _model_change(self, model: str) -> Callable[[str, str, str, str], None]:
-        def changed(name: str, old: str, new: str, reason: str) -> None:
-            cb = self.on_model_breaker_change
-            if cb is not None:
-                cb(name, model, old, new, reason)
-
-        return changed
+        return self.judge.breaker_for(model, self.per_model, self.served_models)
 
     def breaker_of(self, permit: Permit) -> BackendBreaker:
-        """The breaker of this backend that issued `permit`."""
-        owner = permit.owner
-        if (
-            isinstance(owner, BackendBreaker)
-            and self.model_breakers.get(owner.model or "") is owner
-        ):
-            return owner
-        return self.breaker
+        return self.judge.breaker_of(permit)
 
     def release_trial(self, permit: Permit | None) -> None:
-        """`breaker.release_trial` on whichever breaker issued `permit`."""
-        # Only a half-open trial holds a slot (a closed breaker's permits are
-        # all trial 0): nothing to look up on the common path.
-        if permit is not None and permit.trial:
-            self.breaker_of(permit).release_trial(permit)
+        self.judge.release_trial(permit)
 
     def breakers(self) -> Iterator[tuple[str | None, BackendBreaker]]:
-        """(model or None for the backend's own, breaker) of this backend."""
-        yield None, self.breaker
-        yield from self.model_breakers.items()
+        return self.judge.all()
 
     def trial_due(self, now: float) -> bool:
-        """Whether one of the backend's breakers (its own, or a model's) would
-        admit a half-open trial now."""
-        return any(
-            b.state == "half-open" or (b.state == "open" and now >= b.retry_at())
-            for _, b in self.breakers()
-        )
+        return self.judge.trial_due(now)
 
     def url_for(self, path_qs: str) -> URL:
         return URL(str(self.base) + path_qs, encoded=True)
@@ -196,9 +163,9 @@ class Upstream:
         breakers) not every served model's breaker is out."""
         if self.down or self.breaker.state != "closed":
             return False
-        mb = self.model_breakers
-        if self.per_model and len(mb) >= len(self.served_models):
-            return any(b.state == "closed" for b in mb.values())
+        if self.per_model:
+            closed = self.judge.any_closed_model(len(self.served_models))
+            return closed is None or closed
         return True
 
     async def probe(self) -> bool:
@@ -314,7 +281,36 @@ class Upstream:
             return f"probe POST {path} failed: {type(exc).__name__}"
         return None
 
+    async def shared_probe(
+        self, model: str | None = None, max_age_s: float = 0.0
+    ) -> str | ProbeMisconfigured | None:
+        """`recovery_probe(model)`, shared: concurrent callers wait for the one
+        in flight, and a verdict younger than `max_age_s` is reused — so no
+        number of requests makes more than one probe per backend at a time."""
+        loop = asyncio.get_running_loop()
+        seen = self._probe_seen.get(model)
+        if seen is not None and loop.time() - seen[0] < max_age_s:
+            return seen[1]
+        flight = self._probe_flight.get(model)
+        if flight is None:
+            flight = loop.create_task(self._probe_once(model), name=f"probe-{self.name}")
+            self._probe_flight[model] = flight
+        return await asyncio.shield(flight)
+
+    async def _probe_once(self, model: str | None) -> str | ProbeMisconfigured | None:
+        try:
+            try:
+                why = await self.recovery_probe(model)
+            except Exception as exc:  # reported as the probe's failure
+                why = f"recovery probe: {type(exc).__name__}"
+            self._probe_seen[model] = (asyncio.get_running_loop().time(), why)
+            return why
+        finally:
+            self._probe_flight.pop(model, None)
+
     async def close(self) -> None:
+        for flight in list(self._probe_flight.values()):
+            flight.cancel()
         task = self.probe_task
         if task is not None:
             task.cancel()
@@ -368,7 +364,7 @@ def open_upstream(
     if breaker is None:
         breaker = BackendBreaker(name, breaker_policy, clock, on_breaker_change)
     upstream = Upstream(name, policy, session, breaker, probe_failures)
-    upstream.on_model_breaker_change = on_model_breaker_change
+    upstream.judge.on_model_breaker_change = on_model_breaker_change
     if start is None:
         upstream.probe_task = asyncio.create_task(upstream.probe_forever(), name=f"probe-{name}")
     else:

@@ -144,6 +144,37 @@ class BackendBreaker:
         elif self._consecutive >= p.fail_max:
             self._move("open", reason)
 
+    def would_open(self) -> bool:
+        """Whether one more counted failure would open this (closed) breaker."""
+        if self.state != "closed":
+            return False
+        p = self.policy
+        if self._consecutive + 1 >= p.fail_max:
+            return True
+        n = len(self._outcomes) + 1
+        rate = (self._failures_in_window + 1) / n
+        return p.failure_rate > 0 and n >= p.min_calls and rate >= p.failure_rate
+
+    def forgive(self, permit: Permit) -> None:
+        """One failure counted with `permit` was not the backend's: taken
+        back, if the breaker is still in the epoch that counted it."""
+        if not self._current(permit) or self.state != "closed":
+            return
+        self._consecutive = max(0, self._consecutive - 1)
+        for i in range(len(self._outcomes) - 1, -1, -1):
+            if not self._outcomes[i][1]:
+                del self._outcomes[i]
+                self._failures_in_window -= 1
+                break
+
+    def absolve(self) -> None:
+        """The failures counted so far were the requests' own (a probe that
+        succeeded says so): the streak and the window's failures go."""
+        self._consecutive = 0
+        kept = [(t, ok) for t, ok in self._outcomes if ok]
+        self._outcomes = collections.deque(kept)
+        self._failures_in_window = 0
+
     def _counts(self, permit: Permit) -> bool:
         """Does this outcome count? Only in the epoch that admitted it, and in
         half-open only for a trial still out."""

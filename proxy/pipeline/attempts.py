@@ -14,10 +14,14 @@ import asyncio
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
+from aiohttp import web
+
 from proxy.backends.upstream import Upstream
 from proxy.control.admission import Rejected
+from proxy.control.attribution import definitive
+from proxy.control.breaker import Permit
 from proxy.control.retrybudget import backoff
-from proxy.errors import RequestRejected
+from proxy.errors import JSON_CT, RequestRejected, error_response
 from proxy.pipeline.adapt import payload_for
 from proxy.pipeline.answers import shed
 from proxy.pipeline.call import call, close, failed
@@ -81,7 +85,8 @@ def next_step(
     if kind != "failed":
         return _RETURN
     reason = result.retry or result.fault or f"http_{result.status}"
-    if not result.retry or retries >= pol.retry_max:
+    if not result.retry or retries >= pol.retry_max or definitive(result.body):
+        # An engine that died (or ran out of memory) is not asked again.
         return Decision("next", reason)
     after = result.retry_after
     if after is not None:
@@ -99,7 +104,12 @@ async def run_attempts(
 ) -> AttemptResult | None:
     """The request's result; the last failure when none answered (an error
     naming unsupported fields before a plain failure); None when no
-    candidate's breaker let a request through."""
+    candidate's breaker let a request through.
+
+    A request fails once per backend: the retries of one request on the same
+    backend reach its breaker as one outcome (the last attempt's). A request
+    that gets a 5xx from every backend while their probes pass is the
+    request's problem (`_failed_everywhere`): its failures are forgiven."""
     rt = rec.rt
     pol = rt.policy.ladder.failover
     loop = rec.loop
@@ -107,12 +117,19 @@ async def run_attempts(
     refusal: AttemptResult | None = None
     prev: Upstream | None = None
     why = ""
+    # 5xx failures that moved the request on (forgiven if it failed everywhere).
+    server_errors: list[tuple[Upstream, AttemptResult, Permit]] = []
     for i, up in enumerate(candidates):
         retries = 0
         budget = up.retry_budget
         started = loop.time()
-        deadline = started + up.policy.timeouts.first_byte_s  # the candidate's, retries included
+        # The candidate's, retries included.
+        deadline = started + up.policy.timeouts.first_byte_s
+        delay = 0.0
         while True:
+            if delay:
+                await asyncio.sleep(delay)
+                delay = 0.0
             permit = up.breaker_for(rec.model).allow()
             if permit is None:
                 break
@@ -120,52 +137,114 @@ async def run_attempts(
                 inbox.retry(prev, up, why)
             prev = up
             rec.backend = up.name
+            reported = False
             try:
                 # A retry gets what is left of the first attempt's deadline.
                 result = await attempt(rec, up, inbox, passthrough, deadline if retries else None)
-                inbox.attempt(up, result, permit)
                 if result.kind == "ended" and result.stream is not None:
+                    inbox.attempt(up, result, permit)
+                    reported = True
                     result = await rescue_or_end(rec, up, result, inbox)
+                if not retries and result.kind != "shed":
+                    # Retries are not requests, and neither is a request that
+                    # admission shed before it reached the backend: counted, a
+                    # burst of 429s would buy the admitted requests extra retries.
+                    budget.request(started, pol.retry_budget_window_s)
+                d = next_step(
+                    result,
+                    pol,
+                    retries=retries,
+                    remaining_s=deadline - loop.time(),
+                    larger_window_next=(
+                        result.kind == "refused" and _larger_window(up, candidates[i + 1 :])
+                    ),
+                    rand=rt.rand,
+                )
+                if d.step == "retry":
+                    now = loop.time()
+                    w = pol.retry_budget_window_s
+                    if budget.take(now, w, pol.retry_budget_ratio, pol.retry_budget_min):
+                        # Not reported: the retry's outcome is this request's one.
+                        retries += 1
+                        inbox.retry(up, up, d.reason)
+                        delay = d.delay
+                        last = result
+                        continue
+                    inbox.budget_exhausted(up, d.reason)
+                    d = Decision("next", d.reason)
+                if not reported:
+                    inbox.attempt(up, result, permit)
+                    if d.step == "next" and _server_error(result):
+                        server_errors.append((up, result, permit))
             finally:
                 inbox.settle(up, permit)
-            if not retries and result.kind != "shed":
-                # Retries are not requests, and neither is a request that
-                # admission shed before it reached the backend: counted, a
-                # burst of 429s would buy the admitted requests extra retries.
-                budget.request(started, pol.retry_budget_window_s)
-            remaining = deadline - loop.time()
-            d = next_step(
-                result,
-                pol,
-                retries=retries,
-                remaining_s=remaining,
-                larger_window_next=(
-                    result.kind == "refused" and _larger_window(up, candidates[i + 1 :])
-                ),
-                rand=rt.rand,
-            )
             if d.step == "return":
                 return result
             why = d.reason
-            # Kept before any retry: if the breaker then refuses the retry,
-            # this is still the error to pass on.
+            # Kept: if no later candidate answers, this is the error to pass on.
             if result.kind == "refused":
                 refusal = result
             else:
                 last = result
-            # A breaker this failure opened admits no retry: fail over now
-            # (no retry counted, no budget spent).
-            if d.step == "retry" and up.breaker_for(rec.model).state != "open":
-                now = loop.time()
-                w = pol.retry_budget_window_s
-                if budget.take(now, w, pol.retry_budget_ratio, pol.retry_budget_min):
-                    retries += 1
-                    inbox.retry(up, up, d.reason)
-                    await asyncio.sleep(d.delay)
-                    continue
-                inbox.budget_exhausted(up, d.reason)
             break
+    if refusal is None and last is not None and _server_error(last):
+        everywhere = await _failed_everywhere(rec, inbox, server_errors, last)
+        if everywhere is not None:
+            return everywhere
     return refusal or last
+
+
+def _server_error(result: AttemptResult) -> bool:
+    """A failed attempt that the backend answered with a 5xx (an HTTP error
+    or an error event before the answer): what a poison request gets."""
+    return (
+        result.kind == "failed"
+        and result.status >= 500
+        and (result.fault.startswith("http_5") or result.fault == "upstream_error")
+    )
+
+
+async def _failed_everywhere(
+    rec: RequestRecord,
+    inbox: Inbox,
+    failures: list[tuple[Upstream, AttemptResult, Permit]],
+    last: AttemptResult,
+) -> AttemptResult | None:
+    """Every backend answered this request with a 5xx: if each passes its
+    recovery probe (shared, at most one in flight per backend, a verdict
+    reused for `health.interval_s`), the request is the problem — a 502
+    naming it, its failures forgiven (charged to no one), not retried
+    further; else None."""
+    ups = list({up.name: up for up, _, _ in failures}.values())
+    if len(ups) < 2:
+        return None
+    verdicts = await asyncio.gather(
+        *(up.shared_probe(rec.model, up.policy.health.interval_s) for up in ups)
+    )
+    if any(v is not None for v in verdicts):
+        return None
+    names = ", ".join(up.name for up in ups)
+    message = (
+        f"the request failed with a server error on every backend ({names}) while each "
+        "answers its health probe: the request itself is the problem (a parameter, schema "
+        "or prompt the engines cannot handle); not retried"
+    )
+    for up, _, permit in failures:
+        inbox.forgive(up, permit)
+    headers = rec.headers(last.backend)
+    headers["x-should-retry"] = "false"
+    response = error_response(
+        502, message, type_="server_error", code="request_failed_everywhere", headers=headers
+    )
+    return AttemptResult(
+        "refused",
+        last.backend,
+        502,
+        "rejected",
+        detail="request failed on every backend",
+        response=response,
+        code="request_failed_everywhere",
+    )
 
 
 def _larger_window(up: Upstream, rest: list[Upstream]) -> bool:
@@ -229,8 +308,20 @@ async def attempt(
                 )
         t_call = rec.loop.time()
         rec.overhead_pre = t_call - rec.t0
-        resp = await call(rec, up, url, payload, deadline, method)
+        if rec.stream or passthrough:
+            resp = await call(rec, up, url, payload, deadline, method)
+        else:
+            # A non-streaming answer's headers come after the whole generation.
+            total = rec.loop.time() + up.policy.timeouts.total_s
+            resp = await call(rec, up, url, payload, total, method, "total_timeout")
         if isinstance(resp, AttemptResult):
+            if resp.code == "total_timeout":
+                headers = rec.headers(up.name)
+                headers["Content-Type"] = JSON_CT
+                headers["x-should-retry"] = "false"
+                return resp._replace(
+                    response=web.Response(status=504, body=resp.body, headers=headers)
+                )
             return resp
         try:
             sse = resp.status == 200 and resp.headers.get("Content-Type", "").startswith(

@@ -58,9 +58,12 @@ async def call(
     payload: bytes | None,
     deadline: float,
     method: str = "POST",
+    timeout_fault: str = "first_byte_timeout",
     **extra: Any,
 ) -> aiohttp.ClientResponse | AttemptResult:
-    """The backend's response (status and headers read), or why there is none."""
+    """The backend's response (status and headers read), or why there is none.
+    `timeout_fault`: what a missed `deadline` is (`total_timeout` for a
+    non-streaming answer, whose headers come after the whole generation)."""
     try:
         async with asyncio.timeout_at(deadline):
             return await up.session.request(
@@ -81,6 +84,18 @@ async def call(
         message = f"{up.name} backend did not accept a connection in time"
         return failed(up, 504, message, "upstream_timeout", "connect_timeout")
     except TimeoutError:
+        if timeout_fault == "total_timeout":
+            # The whole generation comes before a non-streaming answer's
+            # first byte: the request's length, not the backend's health.
+            return failed(
+                up,
+                504,
+                f"the answer was not complete within {up.name}'s timeouts.total_s "
+                f"({up.policy.timeouts.total_s:g} s): ask for fewer tokens (max_tokens) "
+                "or stream the answer",
+                "total_timeout",
+                "total_timeout",
+            )._replace(kind="refused", code="total_timeout")
         return failed(
             up,
             504,

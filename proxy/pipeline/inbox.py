@@ -8,10 +8,15 @@ access log line; nothing else in the pipeline writes shared state.)
 
 from __future__ import annotations
 
+import hashlib
+
 import structlog
+from aiohttp import web
 
 from proxy.backends.upstream import Upstream
+from proxy.control.attribution import Held, classify
 from proxy.control.breaker import Permit
+from proxy.openai.auth import bearer_token
 from proxy.pipeline.record import AttemptResult
 from proxy.runtime.generation import Runtime
 
@@ -19,15 +24,31 @@ log = structlog.get_logger("brownout.request")
 
 
 class Inbox:
-    __slots__ = ("rid", "rt")
+    __slots__ = ("request", "rid", "rt")
 
-    def __init__(self, rt: Runtime, rid: str) -> None:
+    def __init__(self, rt: Runtime, rid: str, request: web.Request | None = None) -> None:
         self.rt = rt
         self.rid = rid
+        self.request = request
+
+    @property
+    def client(self) -> str:
+        """Who sent the request, as far as a breaker may believe it: the API
+        key (hashed) when the policy has client keys, else the peer address.
+        Session ids are the client's own choice, so they are no identity.
+        (Computed only on a failure's path.)"""
+        req = self.request
+        if req is None:
+            return ""
+        if self.rt.policy.server.api_keys:
+            token = bearer_token(req.headers.get("Authorization")) or ""
+            return "key:" + hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:16]
+        return "addr:" + (req.remote or "")
 
     def attempt(self, up: Upstream, result: AttemptResult, permit: Permit) -> None:
-        """An attempt on `up` (admitted by the breaker's `permit`) ended: the
-        breaker's verdict, TTFT and guard trips."""
+        """An attempt on `up` (admitted by the breaker's `permit`) ended: its
+        attribution (`proxy.control.attribution`) and the breaker's verdict,
+        TTFT and guard trips."""
         rt = self.rt
         trip = result.trip
         if trip is not None:
@@ -39,11 +60,13 @@ class Inbox:
                 rule=trip.rule,
                 excerpt=trip.excerpt,
             )
-        if result.fault:
-            self.failure(up, permit, result.fault, result.detail)
+        if result.fault or (result.kind == "failed" and not result.healthy):
+            self.charge(up, permit, result)
             return
         if not result.healthy:
-            return  # load (429), shed, client gone: says nothing about the backend
+            return  # shed, client gone: says nothing about the backend
+        if result.status >= 400:
+            rt.report_charged(up, "request", f"http_{result.status}")
         ttft = result.ttft
         if ttft is not None:
             rt.metrics.upstream_ttft.labels(up.name).observe(ttft)
@@ -51,7 +74,7 @@ class Inbox:
                 rt.pressure.record_ttft(ttft)
             limit = rt.policy.ladder.failover.ttft_limit_s
             if limit and ttft > limit:
-                self.failure(up, permit, "slow_ttft", f"{ttft:.2f}s")
+                self.failure(up, permit, "slow_ttft", f"{ttft:.2f}s", suspect=True)
                 return
         rt.report_success(up, permit=permit)
 
@@ -61,8 +84,40 @@ class Inbox:
         no-op once the permit's outcome was recorded)."""
         up.release_trial(permit)
 
-    def failure(self, up: Upstream, permit: Permit, kind: str, detail: str = "") -> None:
-        self.rt.report_failure(up, kind, detail, permit=permit)
+    def charge(self, up: Upstream, permit: Permit, result: AttemptResult) -> None:
+        """A failed attempt: to the backend (its breaker, the ladder), or
+        counted as the request's own or as load."""
+        stream = result.stream
+        text = stream.error_event if stream is not None and stream.error_event else result.body
+        v = classify(result.fault, result.status, text, result.retry_after is not None)
+        if v.fault == "total_timeout" and self.rt.check_engine(
+            up, permit, Held(v.fault, result.detail, self.client, self.rid)
+        ):
+            return  # a hung engine looks the same: the probe's verdict counts it
+        if v.attribution != "backend":
+            self.rt.report_charged(up, v.attribution, v.fault)
+            log.info(
+                "failure_charged",
+                request_id=self.rid,
+                backend=up.name,
+                attribution=v.attribution,
+                fault=v.fault,
+            )
+            return
+        self.failure(up, permit, v.fault, result.detail, suspect=v.suspect)
+
+    def forgive(self, up: Upstream, permit: Permit) -> None:
+        """This request's failure on `up` was its own (it failed everywhere)."""
+        self.rt.forgive(up, permit, self.rid)
+
+    def failure(
+        self, up: Upstream, permit: Permit, kind: str, detail: str = "", *, suspect: bool = False
+    ) -> None:
+        rt = self.rt
+        client = self.client if suspect else ""
+        rt.report_failure(
+            up, kind, detail, permit=permit, suspect=suspect, client=client, rid=self.rid
+        )
 
     def retry(self, prev: Upstream, up: Upstream, reason: str) -> None:
         """Another attempt: on the same backend (a retry within its budget) or the next."""

@@ -155,7 +155,7 @@ async def _rescue_on(
         body = prompt_continuation_body(fitted, partial, produced)
         resp = await call(rec, fb, url, json.dumps(body).encode(), deadline)
     if isinstance(resp, AttemptResult):
-        inbox.failure(fb, permit, "rescue", resp.detail or resp.fault)
+        inbox.failure(fb, permit, "rescue", resp.detail or resp.fault, suspect=True)
         inbox.rescue("failed")
         return None
     try:
@@ -165,7 +165,7 @@ async def _rescue_on(
             with contextlib.suppress(aiohttp.ClientError):
                 await resp.read()
             if resp.status >= 500:
-                inbox.failure(fb, permit, f"http_{resp.status}")
+                inbox.failure(fb, permit, f"http_{resp.status}", suspect=True)
             inbox.rescue("failed")
             return None
         rt = rec.rt

@@ -20,6 +20,12 @@ class TimeoutPolicy:
         gt=0,
     )
     idle_s: float = knob(30.0, "Longest silence between two stream events mid-answer.", gt=0)
+    total_s: float = knob(
+        600.0,
+        "Whole answer of a non-streaming request (its first byte comes after the whole "
+        "generation): a 504 past it, charged to the request, never to the backend.",
+        gt=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,6 +210,20 @@ class BreakerPolicy:
     window_s: float = knob(30.0, "Length of the failure-rate window.", gt=0)
     reset_timeout_s: float = knob(10.0, "Open → half-open after this long.", gt=0)
     half_open_max_calls: int = knob(1, "Trial requests admitted while half-open.", ge=1)
+    corroborate: bool = knob(
+        True,
+        "Before 5xx answers, timeouts, cut streams or invalid output open a closed breaker, "
+        "send the backend's recovery probe: a probe that succeeds charges those failures to "
+        "their requests and keeps the breaker closed (at most one probe per "
+        "`reset_timeout_s`); false = open on the count alone.",
+    )
+    min_clients: int = knob(
+        2,
+        "Within `reset_timeout_s` of a probe that succeeded, failures open the breaker only "
+        "when they come from at least this many client identities (API key, else peer "
+        "address).",
+        ge=1,
+    )
 
 
 @dataclass(frozen=True, slots=True)

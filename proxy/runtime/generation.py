@@ -20,9 +20,10 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from proxy.backends.upstream import Upstream
+from proxy.backends.upstream import ProbeMisconfigured, Upstream
 from proxy.control.admission import Admission
-from proxy.control.breaker import STATE_VALUES, Permit
+from proxy.control.attribution import Held, Ledger
+from proxy.control.breaker import STATE_VALUES, BackendBreaker, Permit
 from proxy.control.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
@@ -294,21 +295,152 @@ class Runtime:
             self.tasks.failed("evaluate_soon", exc)
 
     def report_success(self, up: Upstream, *, permit: Permit) -> None:
-        up.breaker_of(permit).record_success(permit)
-
-    def report_failure(self, up: Upstream, kind: str, detail: str = "", *, permit: Permit) -> None:
-        """`permit` is what `up.breaker_for(model).allow()` gave this call: the
-        outcome goes to the breaker that issued it and counts only in the
-        epoch that admitted it. Only a failure the backend's own breaker
-        counted can roll back a ramp towards it: not one admitted before it
-        recovered, nor one model's failure (per-model breakers keep it from
-        the backend's other models)."""
-        self.metrics.upstream_errors.labels(up.name, kind).inc()
         b = up.breaker_of(permit)
+        b.record_success(permit)
+        if up.judge.ledgers:
+            led = up.judge.ledgers.get(id(b))
+            if led is not None and led.streak:
+                for h in led.streak_over():
+                    self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+
+    def report_failure(
+        self,
+        up: Upstream,
+        kind: str,
+        detail: str = "",
+        *,
+        permit: Permit,
+        suspect: bool = False,
+        client: str = "",
+        rid: str = "",
+    ) -> None:
+        """A failure charged to the backend (`proxy.control.attribution`).
+        `permit` is what `up.breaker_for(model).allow()` gave this call: the
+        outcome goes to the breaker that issued it and counts only in the
+        epoch that admitted it. A `suspect` failure that would open a closed
+        breaker is first corroborated by the backend's recovery probe (the
+        ledger decides). Only a failure the backend's own breaker counted can
+        roll back a ramp towards it: not one admitted before it recovered,
+        nor one model's failure (per-model breakers keep it from the
+        backend's other models)."""
+        b = up.breaker_of(permit)
+        if suspect and b.policy.corroborate:
+            led = up.judge.ledger(b)
+            decision = led.decide(self.clock(), client, b.would_open())
+            if decision in ("hold", "probe"):
+                led.held.append(Held(kind, detail, client, rid))
+                if decision == "probe":
+                    led.start_probe(self.clock())
+                    self.spawn(self._corroborate(up, b, led), f"corroborate_{up.name}")
+                return
+            if decision == "absolve":
+                held = led.absolve(Held(kind, detail, client, rid))
+                self._absolved(up, held, "a recent probe succeeded; one client's failures")
+                b.absolve()
+                return
+            # Counted by the breaker now; charged when its streak is judged.
+            led.suspect(Held(kind, detail, client, rid))
+            self._count_failure(up, b, permit, kind, detail)
+            if b.state != "closed":  # it opened: the streak was the backend's
+                for h in led.streak_over():
+                    self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+            return
+        self.metrics.failures.labels(up.name, "backend", kind).inc()
+        self._count_failure(up, b, permit, kind, detail)
+
+    def _count_failure(
+        self, up: Upstream, b: BackendBreaker, permit: Permit | None, kind: str, detail: str
+    ) -> None:
+        self.metrics.upstream_errors.labels(up.name, kind).inc()
         counted = b.outcomes
-        b.record_failure(permit, f"{kind}: {detail}" if detail else kind)
+        reason = f"{kind}: {detail}" if detail else kind
+        if permit is None:
+            if b.state == "closed":
+                b.force_open(reason)
+        else:
+            b.record_failure(permit, reason)
         if b.outcomes != counted and b is up.breaker:
             self.ladder.report_failure(up.name)
+
+    def check_engine(self, up: Upstream, permit: Permit, held: Held) -> bool:
+        """A non-streaming answer outlived `timeouts.total_s`: the request's
+        length, unless the engine hung — so the recovery probe goes out (at
+        most one per breaker per `reset_timeout_s`) and its verdict charges
+        `held`. False when no probe may go now (then it is the request's)."""
+        b = up.breaker_of(permit)
+        if b.state != "closed" or not b.policy.corroborate:
+            return False
+        led = up.judge.ledger(b)
+        now = self.clock()
+        if led.probing or (
+            led.last_probe_at is not None and now - led.last_probe_at < led.window_s
+        ):
+            return False
+        led.held.append(held)
+        led.start_probe(now)
+        self.spawn(self._corroborate(up, b, led), f"corroborate_{up.name}")
+        return True
+
+    def forgive(self, up: Upstream, permit: Permit, rid: str) -> None:
+        """Request `rid` failed everywhere while every probe passed: its
+        failure on `up` is taken back from the breaker's streak and counted
+        as the request's (one the probe out now holds is judged by it)."""
+        b = up.breaker_of(permit)
+        led = up.judge.ledgers.get(id(b))
+        if led is None:
+            return
+        mine = [h for h in led.streak if h.rid == rid]
+        if not mine:
+            return
+        led.streak = [h for h in led.streak if h.rid != rid]
+        b.forgive(permit)
+        self._absolved(up, mine, "failed on every backend while their probes passed")
+
+    def report_charged(self, up: Upstream, attribution: str, fault: str) -> None:
+        """A failure charged to the request or to load: counted, never judged."""
+        self.metrics.failures.labels(up.name, attribution, fault).inc()
+
+    async def _corroborate(self, up: Upstream, b: BackendBreaker, led: Ledger) -> None:
+        """The ledger held suspect failures that would open `b`: ask the
+        backend's recovery probe (for the breaker's model, or the traffic's)."""
+        try:
+            why = await up.shared_probe(b.model)
+        except asyncio.CancelledError:
+            # Shutting down (or a reload's cleanup): no verdict, nothing opens.
+            for h in led.probe_done(False):
+                self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+            raise
+        ok = None if isinstance(why, ProbeMisconfigured) else why is None
+        held = led.probe_done(ok is True)
+        if ok:
+            self.metrics.corroborations.labels(up.name, "absolved").inc()
+            self._absolved(up, held, "recovery probe succeeded")
+            b.absolve()
+            return
+        result = "unknown" if ok is None else "confirmed"
+        self.metrics.corroborations.labels(up.name, result).inc()
+        probe = f"recovery probe: {why}" if ok is not None else "probe misconfigured"
+        log.warning(
+            "failures_corroborated", backend=up.name, model=b.model, failures=len(held), probe=probe
+        )
+        for h in held:
+            self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+        if held and b.state == "closed":
+            h = held[-1]
+            self._count_failure(up, b, None, h.fault, f"{h.detail} ({probe})".strip())
+
+    def _absolved(self, up: Upstream, held: list[Held], why: str) -> None:
+        for h in held:
+            self.metrics.failures.labels(up.name, "request", h.fault).inc()
+        if held:
+            log.warning(
+                "failures_absolved",
+                backend=up.name,
+                failures=len(held),
+                faults=sorted({h.fault for h in held}),
+                request_ids=[h.rid for h in held][:8],
+                reason=why,
+            )
 
     def on_model_breaker_change(
         self, name: str, model: str, old: str, new: str, reason: str

@@ -175,7 +175,8 @@ class ProxyState:
                     up.served_model = old.served_model
                     up.served_models = old.served_models
                     if up.breaker is old.breaker:
-                        up.model_breakers = old.model_breakers
+                        up.judge.model_breakers = old.judge.model_breakers
+                        up.judge.ledgers = old.judge.ledgers
                     up.max_model_len = bp.max_model_len or old.max_model_len
                     up.health = dataclasses.replace(old.health)
                     _keep_learnt(up, old)
@@ -378,4 +379,4 @@ def _keep_learnt(up: Upstream, old: Upstream) -> None:
         up.supports_continuation = old.supports_continuation
     if up.policy.probe == old.policy.probe:
         up.probe_misconfigured = old.probe_misconfigured
-    up.retry_budget = old.retry_budget
+    up.judge.retry_budget = old.judge.retry_budget

@@ -41,6 +41,8 @@ def status_of(rt: Runtime) -> dict[str, Any]:
                 "openai" if up.caps is None else "plain" if up.caps is PLAIN else "advertised"
             ),
             "retries_in_window": up.retry_budget.retries,
+            # Who its failures were charged to (proxy.control.attribution).
+            "attribution": up.judge.ledger(up.breaker).snapshot(),
         }
     lad = rt.ladder.snapshot()
     lad["since"] = rt.wall(float(lad["since"]))  # type: ignore[arg-type]

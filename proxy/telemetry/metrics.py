@@ -162,6 +162,22 @@ class Metrics:
             ["backend", "outcome"],
             registry=r,
         )
+        self.failures = Counter(
+            "brownout_failures",
+            "Failed attempts by backend, attribution (backend: the engine is broken, and only "
+            "these feed breakers and the ladder; request: the request's own problem; load: a "
+            "busy backend) and fault.",
+            ["backend", "attribution", "fault"],
+            registry=r,
+        )
+        self.corroborations = Counter(
+            "brownout_corroborations",
+            "Recovery probes sent before a breaker would open on suspect failures, by result "
+            "(absolved: the probe succeeded, the failures were the requests'; confirmed: it "
+            "failed and the breaker opened; unknown: the probe is misconfigured).",
+            ["backend", "result"],
+            registry=r,
+        )
         self.retries = Counter(
             "brownout_retries",
             "Attempts after a failure before the first byte: the same backend again "

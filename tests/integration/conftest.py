@@ -70,6 +70,17 @@ async def fake_upstream() -> AsyncIterator[FakeUpstream]:
     await runner.cleanup()
 
 
+@pytest.fixture
+async def fallback_upstream() -> AsyncIterator[FakeUpstream]:
+    """A second scripted fake (the fallback's place)."""
+    fake = FakeUpstream(free_port())
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", fake.dispatch)
+    runner = await _start(app, fake.port)
+    yield fake
+    await runner.cleanup()
+
+
 def make_policy(primary: str, fallback: str | None = None, extra: str = "") -> Policy:
     text = f"""
 server:

@@ -635,8 +635,11 @@ async def test_engine_error_event_mid_stream_is_rescued(
     assert cont["add_generation_prompt"] is False
     assert cont["max_tokens"] == 8
     assert await metric(proxy, "brownout_stream_rescues_total", {"outcome": "rescued"}) == 1
-    engine = {"backend": "primary", "kind": "upstream_error"}
+    # vLLM's engine-death event: the backend's, definitively (no probe asked).
+    engine = {"backend": "primary", "kind": "engine_dead"}
     assert await metric(proxy, "brownout_upstream_errors_total", engine) == 1
+    charged = {"backend": "primary", "attribution": "backend", "fault": "engine_dead"}
+    assert await metric(proxy, "brownout_failures_total", charged) == 1
 
 
 async def test_rescue_that_fails_too_ends_with_an_explicit_error(
@@ -1087,7 +1090,10 @@ async def test_failure_rate_window_trips_breaker_without_consecutive_failures(
 
     primary.handlers["/v1/chat/completions"] = flaky
     fallback.handlers["/v1/chat/completions"] = answering(FALLBACK_TEXT)
-    proxy = await start_proxy(ladder_policy(primary.url, fallback.url))
+    # The rate window's counting alone: a corroboration probe would take a
+    # slot of the script (and pass); corroboration: test_attribution_flow.py.
+    no_probe = "ladder: {breaker: {corroborate: false}}"
+    proxy = await start_proxy(ladder_policy(primary.url, fallback.url, no_probe))
 
     # failure_rate 0.3 over at least min_calls = 10 outcomes: the 5th failure,
     # on the 12th request (5/12 = 42 %), is the first one to count.

@@ -221,6 +221,11 @@ async def test_real_requests_open_only_their_models_breaker(
 
     for _ in range(3):
         assert await ask("model-a") == "fallback"  # the primary's 500, retried there
+    # The third failure sends the recovery probe (for model-a: 500 too), which opens it.
+    for _ in range(200):
+        if up.breaker_for("model-a").state == "open":
+            break
+        await asyncio.sleep(0.01)
     assert up.breaker_for("model-a").state == "open"
     before = len([p for p, _, _ in fake_upstream.requests if p == "/v1/chat/completions"])
     assert await ask("model-a") == "fallback"  # not even tried on the primary now

@@ -92,7 +92,10 @@ def failing_once(
 
 
 async def http_500(request: web.Request) -> web.StreamResponse:
-    return web.json_response(VLLM_500, status=500)
+    # A transient 500 (vLLM's engine-death error is never retried on the same backend).
+    return web.json_response(
+        {"error": {"message": "internal error", "type": "server_error"}}, status=500
+    )
 
 
 async def reset(request: web.Request) -> web.StreamResponse:

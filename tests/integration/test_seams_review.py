@@ -27,6 +27,8 @@ from tests.integration.test_retry_flow import TOOL_BODY, failing_once, http_500
 from tests.integration.test_retry_flow import fallback_upstream as fallback_upstream
 
 VLLM_500 = {"error": {"message": "EngineCore encountered an issue.", "type": "server_error"}}
+# A transient 500 (worth a retry: an engine-death error is not retried).
+HTTP_500 = {"error": {"message": "internal error", "type": "server_error"}}
 PLAIN = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -133,7 +135,7 @@ async def test_a_retry_gets_what_is_left_of_the_first_byte_deadline(
         calls[0] += 1
         if calls[0] == 1:
             await asyncio.sleep(1.2)  # the scripted backend's delay, not a wait for a condition
-            return web.json_response(VLLM_500, status=500)
+            return web.json_response(HTTP_500, status=500)
         await gate.wait()
         return web.Response()
 
@@ -175,7 +177,7 @@ async def test_a_retry_shed_by_admission_fails_over_instead_of_answering_429(
         calls.append(who)
         if who == "A":
             a_failed.set()
-            return web.json_response(VLLM_500, status=500)
+            return web.json_response(HTTP_500, status=500)
         await gate.wait()  # B holds the only slot
         return await stream_words(request, ["from ", "primary"])
 
@@ -233,7 +235,7 @@ async def test_each_new_path_ends_with_one_metric_update_and_one_log_line(
         what = (await request.json())["messages"][0]["content"]
         if what == "cut":
             return await cut_after(chunk("The quick"))(request)
-        return web.json_response(VLLM_500, status=500)
+        return web.json_response(HTTP_500, status=500)
 
     async def fallback(request: web.Request) -> web.StreamResponse:
         what = (await request.json())["messages"][0]["content"]

@@ -74,10 +74,10 @@ async def test_breaker_and_forced_tier_reach_the_other_replica(
     b = await start_proxy(shared_policy(fake_upstream.url, redis_server.url))
     await eventually(b, lambda s: s["shared"]["healthy"] is True, 2)
     body = {**CHAT_BODY, "stream": False}
-    for _ in range(2):  # opens A's breaker (fail_max 2)
+    for _ in range(2):  # opens A's breaker (fail_max 2, once the probe fails too)
         async with a.session.post(a.url + "/v1/chat/completions", json=body) as resp:
             await resp.read()
-    assert (await status(a))["backends"]["primary"]["breaker"] == "open"
+    await eventually(a, lambda s: s["backends"]["primary"]["breaker"] == "open", 2.0)
     seen = await eventually(b, lambda s: s["backends"]["primary"]["breaker"] == "open", 1.0)
     st = await status(b)
     assert "opened by replica" in st["backends"]["primary"]["breaker_detail"]["last_failure"]

@@ -1,0 +1,251 @@
+"""Issue 20: a client can't break it for others — failures attributed to the
+request, not the engine (real proxy on real sockets, scripted fakes).
+
+On 8c097b4 every scenario here opened a healthy backend's breaker: a poison
+parameter's 500s, retries counted once each, a long non-streaming answer
+counted as a first-byte timeout, a request that fails on both backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from proxy.runtime.keys import STATE
+from tests.integration.conftest import FakeUpstream, ProxyFactory
+from tests.integration.test_pipeline import (
+    CHAT,
+    fallback_answer,
+    metrics,
+    policy,
+    total,
+    wait_until,
+)
+
+POISON = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hi"}],
+    "top_p": 1e-300,
+}
+PLAIN = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def poisoned_by(field: str) -> Any:
+    """A backend that is fine, except that a request carrying `field`
+    makes it answer 500 (inf/nan in sampling); its probe (no such field) passes."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        if field in body:
+            return web.json_response(
+                {"error": {"message": "probability tensor contains either inf, nan"}},
+                status=500,
+            )
+        return await fallback_answer(request)
+
+    return chat
+
+
+async def post(proxy: Any, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, Any], Any]:
+    async with proxy.session.post(proxy.url + CHAT, json=body, headers=headers) as r:
+        return r.status, dict(r.headers), json.loads(await r.read())
+
+
+async def test_one_clients_poison_requests_never_open_a_healthy_backends_breaker(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """20 poison requests, each failing on both backends: answered 502 naming
+    the request (not maintenance), charged to no one; both breakers stay
+    closed, the tier normal, and another client's request goes to the primary."""
+    fake_upstream.handlers[CHAT] = poisoned_by("top_p")
+    fallback_upstream.handlers[CHAT] = poisoned_by("top_p")
+    extra = {"ladder": {"breaker": {"fail_max": 3}}}
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    rt = proxy.app[STATE].current
+    for _ in range(20):
+        status, headers, body = await post(proxy, POISON)
+        assert status == 502, body
+        assert body["error"]["code"] == "request_failed_everywhere"
+        assert "primary" in body["error"]["message"] and "fallback" in body["error"]["message"]
+        assert headers["x-should-retry"] == "false"
+        assert headers["X-Brownout-Tier"] == "normal"
+    for up in rt.upstreams.values():
+        assert up.breaker.state == "closed", up.name
+    assert rt.tier == "normal"
+    status, headers, _ = await post(proxy, PLAIN)
+    assert (status, headers["X-Brownout-Backend"]) == (200, "primary")
+    m = await metrics(proxy)
+    assert total(m, "brownout_failures_total", attribution="backend") == 0
+    assert total(m, "brownout_failures_total", backend="primary", attribution="request") >= 20
+    assert total(m, "brownout_failures_total", backend="fallback", attribution="request") >= 20
+
+
+async def test_a_poison_request_that_the_fallback_answers_is_absolved_by_the_probe(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The primary chokes on a parameter the fallback takes: each request is
+    answered by the fallback; when the streak reaches fail_max the recovery
+    probe goes out, passes, and the breaker stays closed (status says why)."""
+    fake_upstream.handlers[CHAT] = poisoned_by("top_p")
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    extra = {"ladder": {"breaker": {"fail_max": 3}, "failover": {"retry_max": 0}}}
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    rt = proxy.app[STATE].current
+    primary = rt.upstreams["primary"]
+    for _ in range(10):
+        status, headers, _ = await post(proxy, POISON)
+        assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
+    await wait_until(lambda: not primary.judge.ledger(primary.breaker).probing)
+    assert primary.breaker.state == "closed"
+    assert rt.tier == "normal"
+    async with proxy.session.get(proxy.url + "/brownout/status") as r:
+        st = await r.json()
+    att = st["backends"]["primary"]["attribution"]
+    assert att["probes"] >= 1 and att["absolved"] >= 1 and att["corroborated"] == 0
+    m = await metrics(proxy)
+    assert total(m, "brownout_corroborations_total", backend="primary", result="absolved") >= 1
+    assert total(m, "brownout_failures_total", backend="primary", attribution="request") >= 8
+
+
+async def test_a_really_broken_backend_still_opens_at_fail_max(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The negative control: a primary that answers 500 to everything (its probe
+    too) opens once the probe confirms, and traffic goes to the fallback."""
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    fake_upstream.handlers[CHAT] = broken
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    extra = {"ladder": {"breaker": {"fail_max": 3}, "failover": {"retry_max": 0}}}
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    rt = proxy.app[STATE].current
+    primary = rt.upstreams["primary"]
+    for _ in range(3):
+        status, headers, _ = await post(proxy, PLAIN)
+        assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
+    await wait_until(lambda: primary.breaker.state == "open")
+    await wait_until(lambda: rt.tier == "failover")
+    m = await metrics(proxy)
+    assert total(m, "brownout_corroborations_total", backend="primary", result="confirmed") == 1
+    assert total(m, "brownout_failures_total", backend="primary", attribution="backend") == 3
+
+
+async def test_retries_of_one_request_count_as_one_failure(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Three bad requests, each retried twice on the primary (500 is
+    transient): three failures, not nine — with corroboration off, the
+    breaker (fail_max 5) stays closed (it opened on 8c097b4)."""
+    fake_upstream.handlers[CHAT] = poisoned_by("top_p")
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    extra = {
+        "ladder": {
+            "breaker": {"fail_max": 5, "corroborate": False},
+            "failover": {"retry_max": 2, "retry_budget_ratio": 1, "retry_budget_min": 100},
+        }
+    }
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    primary = proxy.app[STATE].current.upstreams["primary"]
+    for _ in range(3):
+        status, headers, _ = await post(proxy, POISON)
+        assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
+    calls = [p for p, _, _ in fake_upstream.requests if p == CHAT]
+    assert len(calls) == 9  # every retry was made
+    assert primary.breaker.state == "closed"
+    assert primary.breaker.snapshot()["consecutive_failures"] == 3
+
+
+async def test_a_long_non_streaming_answer_is_not_a_backend_fault(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A non-streaming answer's first byte comes after the whole generation:
+    one slower than first_byte_s (2 s here) is answered, not failed over; one
+    past timeouts.total_s is a 504 charged to the request, never opening the
+    breaker (fail_max 1)."""
+    delay = [2.5]
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(delay[0])
+        return await fallback_answer(request)
+
+    fake_upstream.handlers[CHAT] = slow
+    primary_extra = {"timeouts": {"total_s": 3.5}}
+    extra = {"ladder": {"breaker": {"fail_max": 1}}}
+    proxy = await start_proxy(
+        policy(fake_upstream.url, None, primary_extra=primary_extra, extra=extra)
+    )
+    rt = proxy.app[STATE].current
+    status, headers, body = await post(proxy, PLAIN)
+    assert (status, headers["X-Brownout-Backend"]) == (200, "primary"), body
+    delay[0] = 4.0
+    status, headers, body = await post(proxy, PLAIN)
+    assert status == 504
+    assert body["error"]["code"] == "total_timeout"
+    assert "max_tokens" in body["error"]["message"]
+    assert headers["x-should-retry"] == "false"
+    delay[0] = 0.0  # the probe that the timeout sends passes
+    up = rt.upstreams["primary"]
+    await wait_until(lambda: not up.judge.ledger(up.breaker).probing, 6.0)
+    assert up.breaker.state == "closed"
+    m = await metrics(proxy)
+    assert total(m, "brownout_failures_total", attribution="request", fault="total_timeout") == 1
+    assert total(m, "brownout_failures_total", attribution="backend") == 0
+
+
+async def test_a_hung_engine_behind_non_streaming_requests_is_still_found(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The timeout's probe (its 1-token chat) hangs too: the engine is hung,
+    and the breaker opens."""
+
+    async def hung(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(30)
+        return await fallback_answer(request)
+
+    fake_upstream.handlers[CHAT] = hung
+    primary_extra = {"timeouts": {"total_s": 1.0}}
+    proxy = await start_proxy(policy(fake_upstream.url, None, primary_extra=primary_extra))
+    up = proxy.app[STATE].current.upstreams["primary"]
+    status, _, body = await post(proxy, PLAIN)
+    assert status == 504 and body["error"]["code"] == "total_timeout"
+    await wait_until(lambda: up.breaker.state == "open", 6.0)
+
+
+async def test_failures_from_two_client_keys_open_without_a_second_probe(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Within reset_timeout_s of a probe that passed, a streak from one API
+    key is absolved; the same streak from two keys opens the breaker (a
+    failure that hits more than one client is not one client's doing)."""
+    fake_upstream.handlers[CHAT] = poisoned_by("top_p")
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    extra = {
+        "server": {"api_keys": ["key-a", "key-b"]},
+        "ladder": {
+            "breaker": {"fail_max": 2, "reset_timeout_s": 60},
+            "failover": {"retry_max": 0},
+        },
+    }
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    primary = proxy.app[STATE].current.upstreams["primary"]
+    a = {"Authorization": "Bearer key-a"}
+    b = {"Authorization": "Bearer key-b"}
+    for _ in range(2):  # reaches fail_max: the probe goes out and passes
+        await post(proxy, POISON, **a)
+    await wait_until(lambda: primary.judge.ledger(primary.breaker).probes == 1)
+    await wait_until(lambda: not primary.judge.ledger(primary.breaker).probing)
+    for _ in range(6):  # one key again: absolved, no second probe
+        await post(proxy, POISON, **a)
+    assert primary.breaker.state == "closed"
+    assert primary.judge.ledger(primary.breaker).probes == 1
+    await post(proxy, POISON, **b)  # a streak of one, from key-b
+    assert primary.breaker.state == "closed"
+    await post(proxy, POISON, **a)  # and key-a: two clients, fail_max reached
+    assert primary.breaker.state == "open"
+    m = await metrics(proxy)
+    assert total(m, "brownout_failures_total", backend="primary", attribution="backend") == 2
