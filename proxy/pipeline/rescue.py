@@ -8,7 +8,14 @@ continuation (the partial answer as the previous assistant turn and an
 instruction to continue exactly where it stopped) where it does not — learnt
 from its advertised capabilities, its 400 to a prefill (never the client's
 error, never a backend failure), or `backends.<name>.supports_continuation`.
-The relay strips nothing at the seam: what the fallback writes is relayed.
+The seam is checked, not trusted (`proxy.openai.seam`): a continuation by
+prompt is often answered from the start, so its first events are held until
+it is clear whether it restarts the answer (the repeated prefix is
+stripped), overlaps the seam by a few words (the overlap is stripped) or
+continues cleanly (relayed as is); one that restarts with different words
+cannot be aligned and ends the stream with an error event
+(`rescue_misaligned`) and [DONE] rather than relay a second answer. A
+prefill continuation is trusted but checked cheaply for a whole restart.
 Not rescued: guard trips (the output was the problem), a stream that was
 emitting `tool_calls` (a text continuation would turn a tool call into
 prose), a fallback that would drop fields, `n > 1` (one continuation cannot
@@ -34,12 +41,15 @@ from proxy.openai.partial import (
     prompt_continuation_body,
     streamed_answer,
 )
+from proxy.openai.seam import prepare
+from proxy.openai.sse import error_events
 from proxy.pipeline.adapt import adapted
 from proxy.pipeline.call import call, close
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.pump import StreamResult, end_with_error, relay_stream
 from proxy.pipeline.record import AttemptResult, RequestRecord
 from proxy.pipeline.relay import stream_attempt
+from proxy.pipeline.seamread import read_seam
 
 log = structlog.get_logger("brownout.request")
 
@@ -137,6 +147,7 @@ async def _rescue_on(
         inbox.rescue("failed")
         return None
     prefill = rec.chat and bool(partial) and fb.supports_continuation
+    trusted = prefill or not rec.chat  # the fallback continues the text itself
     body = (
         continuation_body(fitted, partial, produced, kind)
         if prefill or not rec.chat
@@ -153,6 +164,7 @@ async def _rescue_on(
         inbox.rescue("prefill_rejected")
         log.warning("continuation_unsupported", request_id=rec.rid, backend=fb.name)
         body = prompt_continuation_body(fitted, partial, produced)
+        trusted = False
         resp = await call(rec, fb, url, json.dumps(body).encode(), deadline)
     if isinstance(resp, AttemptResult):
         inbox.failure(fb, permit, "rescue", resp.detail or resp.fault, suspect=True)
@@ -170,22 +182,51 @@ async def _rescue_on(
             return None
         rt = rec.rt
         pol = rt.policy.server
-        # The same guard as the answer it continues: a token split at the seam is seen.
-        sg = rec.guards[-1][1] if rec.guards else None
-        more = await relay_stream(
-            rec.request,
+        seam = await read_seam(
             resp,
-            {},
-            heartbeat_s=pol.heartbeat_s,
+            client,
+            prepare(partial),
+            endpoint=kind,
+            restart_only=trusted,
             first_byte_deadline=deadline,
             idle_s=fb.policy.timeouts.idle_s,
-            client=client,
-            keep=True,
-            guard=sg,
-            end_response=rec.session is None,
+            heartbeat_s=pol.heartbeat_s,
             max_event_bytes=pol.max_event_bytes,
-            keep_limit=pol.max_kept_bytes,
         )
+        if seam.seam.kind != "clean":
+            log.warning(
+                "stream_rescue_seam",
+                request_id=rec.rid,
+                backend=fb.name,
+                seam=seam.seam.kind,
+                stripped_chars=seam.seam.strip,
+                by_prompt=not trusted,
+            )
+        if seam.seam.kind in ("restart", "overlap"):
+            inbox.rescue(f"{seam.seam.kind}_stripped")
+        if seam.seam.kind == "misaligned":
+            inbox.rescue("misaligned")
+            return await _misaligned(rec, fb, result, sr)
+        if seam.failure is not None:
+            more = seam.failure
+        else:
+            # The same guard as the answer it continues: a token split at the seam is seen.
+            sg = rec.guards[-1][1] if rec.guards else None
+            more = await relay_stream(
+                rec.request,
+                resp,
+                {},
+                heartbeat_s=pol.heartbeat_s,
+                first_byte_deadline=seam.first_byte_deadline,
+                idle_s=fb.policy.timeouts.idle_s,
+                client=client,
+                keep=True,
+                guard=sg,
+                end_response=rec.session is None,
+                max_event_bytes=pol.max_event_bytes,
+                keep_limit=pol.max_kept_bytes,
+                prefix=seam.prefix,
+            )
     finally:
         close(resp)
     sr.events += more.events
@@ -222,3 +263,22 @@ async def _rescue_on(
         events=events,
         stream=None,
     )
+
+
+async def _misaligned(
+    rec: RequestRecord, fb: Upstream, result: AttemptResult, sr: StreamResult
+) -> AttemptResult:
+    """The continuation restarted the answer with different words: relaying
+    it would give the client a second answer after the first; dropping it
+    would present the cut answer as whole. The stream ends in-band instead
+    (the fallback worked: nothing is charged to its breaker)."""
+    detail = (
+        f"the answer was cut and {fb.name} restarted it differently: "
+        "the continuation cannot be aligned with what was sent"
+    )
+    log.warning("stream_rescue_misaligned", request_id=rec.rid, backend=fb.name)
+    client = sr.client
+    assert client is not None
+    with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+        await client.write(error_events(detail, "server_error", "rescue_misaligned"))
+    return result._replace(detail=f"rescue on {fb.name} misaligned", stream=None)

@@ -194,7 +194,9 @@ class Metrics:
         )
         self.rescues = Counter(
             "brownout_stream_rescues",
-            "Streams that died mid-answer, by outcome (rescued on the fallback, or failed).",
+            "Streams that died mid-answer, by outcome: rescued on the fallback, failed, "
+            "misaligned (the continuation restarted with other words); beside them "
+            "prefill_rejected, restart_stripped, overlap_stripped (what the seam needed).",
             ["outcome"],
             registry=r,
         )
