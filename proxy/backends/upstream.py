@@ -73,6 +73,9 @@ class Upstream:
     probe_task: asyncio.Task[None] | None = None
     # Every model id of /v1/models (kind openai: the per-model breakers' keys).
     served_models: tuple[str, ...] = ()
+    # The model of the traffic that last failed here (one of `served_models`):
+    # what the recovery probe asks for when the policy names none.
+    traffic_model: str | None = None
     # Set when the recovery probe was refused as a request: real ones are the trial.
     probe_misconfigured: str | None = None
     # What it honours of a request (None: the whole OpenAI API, nothing checked):
@@ -252,7 +255,7 @@ class Upstream:
     def probe_request(self, model: str | None = None) -> dict[str, Any]:
         """The recovery probe's JSON body (`backends.<name>.probe`)."""
         body: dict[str, Any] = json.loads(self.policy.probe.body or PING)
-        model = model or self.policy.model or self.served_model
+        model = model or self.policy.model or self.traffic_model or self.served_model
         if model and "model" not in body:
             body["model"] = model
         return body

@@ -39,7 +39,7 @@ def serve_passthrough(
 
 
 async def serve(rec: RequestRecord) -> web.StreamResponse:
-    inbox = Inbox(rec.rt, rec.rid, rec.request)
+    inbox = Inbox(rec.rt, rec.rid, rec.request, rec.body)
     term: Terminal | None = None
     response: web.StreamResponse
     # In flight from here to the record: what a reload's drain waits for.

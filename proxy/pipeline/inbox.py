@@ -23,27 +23,55 @@ from proxy.runtime.generation import Runtime
 log = structlog.get_logger("brownout.request")
 
 
-class Inbox:
-    __slots__ = ("request", "rid", "rt")
+def client_identity(
+    peer: str | None, authorization: str | None, forwarded_for: str | None, *, keyed: bool
+) -> str:
+    """A client's identity for the breakers' "one client" rule: its API key
+    (hashed) when the policy has client keys; else the address nginx saw —
+    the last `X-Forwarded-For` entry, which nginx appends and a client cannot
+    forge, believed only from a loopback peer (a proxy on the same host) —
+    else the peer address. Session ids are the client's own choice: no identity."""
+    if keyed:
+        token = bearer_token(authorization) or ""
+        return "key:" + hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:16]
+    if forwarded_for and peer in _LOOPBACK:
+        last = forwarded_for.rsplit(",", 1)[-1].strip()
+        if last:
+            return "addr:" + last[:64]
+    return "addr:" + (peer or "")
 
-    def __init__(self, rt: Runtime, rid: str, request: web.Request | None = None) -> None:
+
+_LOOPBACK = frozenset({"127.0.0.1", "::1"})
+
+
+class Inbox:
+    __slots__ = ("body", "request", "rid", "rt")
+
+    def __init__(
+        self,
+        rt: Runtime,
+        rid: str,
+        request: web.Request | None = None,
+        body: dict[str, object] | None = None,
+    ) -> None:
         self.rt = rt
         self.rid = rid
         self.request = request
+        self.body = body  # the request's JSON (its `model`, on a failure's path)
 
     @property
     def client(self) -> str:
-        """Who sent the request, as far as a breaker may believe it: the API
-        key (hashed) when the policy has client keys, else the peer address.
-        Session ids are the client's own choice, so they are no identity.
-        (Computed only on a failure's path.)"""
+        """Who sent the request, as far as a breaker may believe it
+        (`client_identity`; computed only on a failure's path)."""
         req = self.request
         if req is None:
             return ""
-        if self.rt.policy.server.api_keys:
-            token = bearer_token(req.headers.get("Authorization")) or ""
-            return "key:" + hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:16]
-        return "addr:" + (req.remote or "")
+        return client_identity(
+            req.remote,
+            req.headers.get("Authorization"),
+            req.headers.get("X-Forwarded-For"),
+            keyed=bool(self.rt.policy.server.api_keys),
+        )
 
     def attempt(self, up: Upstream, result: AttemptResult, permit: Permit) -> None:
         """An attempt on `up` (admitted by the breaker's `permit`) ended: its
@@ -89,6 +117,9 @@ class Inbox:
         counted as the request's own or as load."""
         stream = result.stream
         text = stream.error_event if stream is not None and stream.error_event else result.body
+        model = self.body.get("model") if self.body is not None else None
+        if isinstance(model, str) and model in up.served_models:
+            up.traffic_model = model  # what the recovery probe asks for
         v = classify(result.fault, result.status, text, result.retry_after is not None)
         if v.fault == "total_timeout" and self.rt.check_engine(
             up, permit, Held(v.fault, result.detail, self.client, self.rid)

@@ -53,8 +53,9 @@ class ProbePolicy:
         "",
         "The probe's JSON body (an object, as text); empty = a 1-token chat "
         '(`{"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}`). '
-        "`model` is added when missing: the backend's `model`, else the first "
-        "model of its /v1/models (or the model whose breaker is tested).",
+        "`model` is added when missing: the model whose breaker is tested, else the "
+        "backend's `model`, else the model of the traffic that failed there, else the "
+        "first model of its /v1/models.",
     )
 
 

@@ -249,3 +249,36 @@ async def test_failures_from_two_client_keys_open_without_a_second_probe(
     assert primary.breaker.state == "open"
     m = await metrics(proxy)
     assert total(m, "brownout_failures_total", backend="primary", attribution="backend") == 2
+
+
+async def test_the_probe_asks_for_the_model_of_the_traffic_that_failed(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The primary lists `other` first; the traffic that fails asks for
+    `tiny`: the corroboration probe asks for `tiny` too (on 8c097b4 every
+    probe asked for the first model its /v1/models lists)."""
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "other"}, {"id": "tiny", "max_model_len": 4096}]}
+        )
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        if body.get("max_tokens") == 1:  # the probe
+            return await fallback_answer(request)
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    fake_upstream.handlers["/v1/models"] = models
+    fake_upstream.handlers[CHAT] = chat
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    extra = {"ladder": {"breaker": {"fail_max": 2}, "failover": {"retry_max": 0}}}
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    primary = proxy.app[STATE].current.upstreams["primary"]
+    await wait_until(lambda: primary.served_models == ("other", "tiny"))
+    for _ in range(2):
+        await post(proxy, PLAIN)
+    await wait_until(lambda: primary.judge.ledger(primary.breaker).probes == 1)
+    await wait_until(lambda: not primary.judge.ledger(primary.breaker).probing)
+    probes = [json.loads(b) for p, _, b in fake_upstream.requests if p == CHAT and b"ping" in b]
+    assert [p["model"] for p in probes] == ["tiny"]
