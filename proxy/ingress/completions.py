@@ -25,7 +25,7 @@ from proxy.pipeline import RequestRecord, serve
 from proxy.runtime.generation import Runtime
 from proxy.runtime.keys import STATE
 from proxy.sessions.conversation import SessionContext
-from proxy.sessions.store import SessionIdError, session_key
+from proxy.sessions.store import SessionIdError, client_key, session_key
 
 log = structlog.get_logger("brownout.request")
 
@@ -53,7 +53,11 @@ async def completion_record(request: web.Request, endpoint: Endpoint) -> Request
     api_key = bearer_token(request.headers.get("Authorization"))
     priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
     sid = request.headers.get("X-Session-Id")
-    session = session_context(rt, sid, api_key, parsed.body, endpoint) if sid is not None else None
+    session = (
+        session_context(rt, sid, api_key, parsed.body, endpoint, request.remote)
+        if sid is not None
+        else None
+    )
     return RequestRecord(
         request,
         rt,
@@ -69,7 +73,12 @@ async def completion_record(request: web.Request, endpoint: Endpoint) -> Request
 
 
 def session_context(
-    rt: Runtime, sid: str, api_key: str | None, body: dict[str, Any], endpoint: Endpoint
+    rt: Runtime,
+    sid: str,
+    api_key: str | None,
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    peer: str | None = None,
 ) -> SessionContext:
     """The session a request belongs to, or the RequestRejected that says why it can't."""
     if endpoint != "chat":
@@ -92,4 +101,16 @@ def session_context(
             "invalid_session",
             "messages",
         )
-    return SessionContext(key=key, user_text=text)
+    return SessionContext(key=key, user_text=text, client=client_identity(rt, api_key, peer))
+
+
+def client_identity(rt: Runtime, api_key: str | None, peer: str | None) -> str:
+    """Whose sessions count together for `sessions.max_sessions_per_client`:
+    the API key when `server.api_keys` is configured (the middleware checked
+    it), else the peer address. Without configured keys any bearer is
+    accepted, so it identifies no one; the session id is chosen by the
+    client, so it never does."""
+    prefix = rt.policy.sessions.key_prefix
+    if rt.policy.server.api_keys and api_key:
+        return client_key(prefix, f"key:{api_key}")
+    return client_key(prefix, f"addr:{peer or 'unknown'}")
