@@ -42,6 +42,12 @@ async def load_history(rec: RequestRecord, inbox: Inbox) -> tuple[web.Response, 
         log.warning("session_store_unavailable", request_id=rec.rid, op="load", error=str(exc))
         return None
     inbox.session_op("load", "ok")
+    # Turns that wait for the store (it refuses writes but serves reads) are
+    # this session's latest: the conversation keeps them.
+    waiting = rec.rt.pending_saves.waiting(ctx.key)
+    if waiting:
+        history = [*history, *(m for t in waiting for m in t.messages())]
+        history = history[-2 * rec.rt.policy.sessions.max_turns :]
     ctx.history_messages = len(history)
     if history:
         rec.body = merge_history(rec.body, history)

@@ -55,10 +55,12 @@ APPEND_LUA = """
 local ttl = tonumber(ARGV[3])
 local now = tonumber(ARGV[4])
 local cap = tonumber(ARGV[6])
-if cap > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('EXISTS', KEYS[1]) == 0 and not redis.call('ZSCORE', KEYS[2], KEYS[1])
-      and redis.call('ZCARD', KEYS[2]) >= cap then
+-- Reads first: the first write must be the HSET, which Redis refuses past
+-- maxmemory (once a script wrote, Redis lets the rest of it write).
+if cap > 0 and redis.call('EXISTS', KEYS[1]) == 0 then
+  local counted = redis.call('ZSCORE', KEYS[2], KEYS[1])
+  if (not counted or tonumber(counted) <= now)
+      and redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf') >= cap then
     return -1
   end
 end
@@ -105,6 +107,7 @@ end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ttl)
 if cap > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
   redis.call('ZADD', KEYS[2], now + ttl, KEYS[1])
   if redis.call('TTL', KEYS[2]) < ttl then redis.call('EXPIRE', KEYS[2], ttl) end
 end

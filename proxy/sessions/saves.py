@@ -78,6 +78,14 @@ class PendingSaves:
     def __len__(self) -> int:
         return len(self._q)
 
+    def waiting(self, key: str) -> list[Turn]:
+        """The turns of session `key` that wait, oldest first: a load merges
+        them after the stored history, so a conversation keeps its context
+        while Redis refuses writes but serves reads."""
+        if not self._q:
+            return []
+        return [w.turn for w in self._q if w.key == key]
+
     def add(self, key: str, turn: Turn, client: str | None = None) -> None:
         while len(self._q) >= max(1, self.limit):
             self._q.popleft()
