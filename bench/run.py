@@ -174,6 +174,9 @@ def brownout_policy(
     store = (
         f"  store: redis://127.0.0.1:6379/0\n  key_prefix: 'brownout-bench:{os.getpid()}:'\n"
         "  ttl_s: 120\n"
+        # A fresh session per request, all from one address: the per-client
+        # cap would refuse them after 10,000.
+        "  max_sessions_per_client: 0\n"
         if sessions
         else ""
     )

@@ -18,6 +18,7 @@ from aiohttp import web
 from proxy.errors import RequestRejected
 from proxy.ingress.body import read_body
 from proxy.ingress.context import REQUEST_ID, STARTED_AT
+from proxy.ingress.identity import client_identity
 from proxy.ingress.validate import Endpoint, parse_body
 from proxy.openai.auth import bearer_token
 from proxy.openai.messages import last_user_text
@@ -25,7 +26,7 @@ from proxy.pipeline import RequestRecord, serve
 from proxy.runtime.generation import Runtime
 from proxy.runtime.keys import STATE
 from proxy.sessions.conversation import SessionContext
-from proxy.sessions.store import SessionIdError, session_key
+from proxy.sessions.store import SessionIdError, client_key, session_key
 
 log = structlog.get_logger("brownout.request")
 
@@ -53,7 +54,19 @@ async def completion_record(request: web.Request, endpoint: Endpoint) -> Request
     api_key = bearer_token(request.headers.get("Authorization"))
     priority = rt.priority_for(request.headers.get("X-Priority"), api_key)
     sid = request.headers.get("X-Session-Id")
-    session = session_context(rt, sid, api_key, parsed.body, endpoint) if sid is not None else None
+    session = (
+        session_context(
+            rt,
+            sid,
+            api_key,
+            parsed.body,
+            endpoint,
+            request.remote,
+            request.headers.get("X-Forwarded-For"),
+        )
+        if sid is not None
+        else None
+    )
     return RequestRecord(
         request,
         rt,
@@ -69,7 +82,13 @@ async def completion_record(request: web.Request, endpoint: Endpoint) -> Request
 
 
 def session_context(
-    rt: Runtime, sid: str, api_key: str | None, body: dict[str, Any], endpoint: Endpoint
+    rt: Runtime,
+    sid: str,
+    api_key: str | None,
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    peer: str | None = None,
+    forwarded_for: str | None = None,
 ) -> SessionContext:
     """The session a request belongs to, or the RequestRejected that says why it can't."""
     if endpoint != "chat":
@@ -92,4 +111,16 @@ def session_context(
             "invalid_session",
             "messages",
         )
-    return SessionContext(key=key, user_text=text)
+    return SessionContext(
+        key=key, user_text=text, client=session_client(rt, api_key, peer, forwarded_for)
+    )
+
+
+def session_client(
+    rt: Runtime, api_key: str | None, peer: str | None, forwarded_for: str | None = None
+) -> str:
+    """Whose sessions count together for `sessions.max_sessions_per_client`
+    (`proxy.ingress.identity`)."""
+    keyed = bool(rt.policy.server.api_keys)
+    who = client_identity(peer, api_key, forwarded_for, keyed=keyed)
+    return client_key(rt.policy.sessions.key_prefix, who)

@@ -48,7 +48,10 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         # The stages, inline: every suspension of a stream resumes each frame
         # of the chain, so the pipeline keeps it short.
         if rec.session is not None:
-            await load_history(rec, inbox)
+            refused = await load_history(rec, inbox)
+            if refused is not None:  # a new session past its client's cap
+                response, term = refused
+                return response
         rt = rec.rt
         # In maintenance a backend gets a request only as its recovery trial
         # (Runtime.route): the maintenance answer stays the tier's answer unless

@@ -16,32 +16,12 @@ from aiohttp import web
 from proxy.backends.upstream import Upstream
 from proxy.control.attribution import Held, classify
 from proxy.control.breaker import Permit
+from proxy.ingress.identity import client_identity
 from proxy.openai.auth import bearer_token
 from proxy.pipeline.record import AttemptResult
 from proxy.runtime.generation import Runtime
 
 log = structlog.get_logger("brownout.request")
-
-
-def client_identity(
-    peer: str | None, authorization: str | None, forwarded_for: str | None, *, keyed: bool
-) -> str:
-    """A client's identity for the breakers' "one client" rule: its API key
-    (hashed) when the policy has client keys; else the address nginx saw —
-    the last `X-Forwarded-For` entry, which nginx appends and a client cannot
-    forge, believed only from a loopback peer (a proxy on the same host) —
-    else the peer address. Session ids are the client's own choice: no identity."""
-    if keyed:
-        token = bearer_token(authorization) or ""
-        return "key:" + hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()[:16]
-    if forwarded_for and peer in _LOOPBACK:
-        last = forwarded_for.rsplit(",", 1)[-1].strip()
-        if last:
-            return "addr:" + last[:64]
-    return "addr:" + (peer or "")
-
-
-_LOOPBACK = frozenset({"127.0.0.1", "::1"})
 
 
 class Inbox:
@@ -66,12 +46,13 @@ class Inbox:
         req = self.request
         if req is None:
             return ""
-        return client_identity(
-            req.remote,
-            req.headers.get("Authorization"),
-            req.headers.get("X-Forwarded-For"),
-            keyed=bool(self.rt.policy.server.api_keys),
-        )
+        keyed = bool(self.rt.policy.server.api_keys)
+        key = bearer_token(req.headers.get("Authorization")) if keyed else None
+        who = client_identity(req.remote, key, req.headers.get("X-Forwarded-For"), keyed=keyed)
+        # Hashed: an API key is never kept (nor shown in status) as it is.
+        kind, _, value = who.partition(":")
+        digest = hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        return f"{kind}:{digest}"
 
     def attempt(self, up: Upstream, result: AttemptResult, permit: Permit) -> None:
         """An attempt on `up` (admitted by the breaker's `permit`) ended: its

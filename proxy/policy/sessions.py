@@ -71,6 +71,14 @@ class SessionsPolicy:
     max_sessions: int = knob(
         10000, "memory:// only: sessions kept; the least recently used are evicted.", ge=1
     )
+    max_sessions_per_client: int = knob(
+        10000,
+        "Live sessions one client may hold (its API key when server.api_keys is set, else "
+        "its peer address; 0 = no cap). A new session past it is refused with 429 "
+        "`session_limit` and Retry-After; its existing sessions go on working.",
+        ge=0,
+        le=10_000_000,
+    )
     pending_saves: int = knob(
         10000,
         "Finished turns kept in memory while the store is down, saved in order when it "

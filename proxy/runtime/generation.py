@@ -84,6 +84,7 @@ class Runtime:
             on_saved=lambda: m.session_ops.labels("save", "late").inc(),
             on_dropped=m.session_turns_dropped.inc,
             on_rejected=lambda: m.session_ops.labels("save", "rejected").inc(),
+            on_limited=lambda: m.session_ops.labels("save", "limit").inc(),
         )
         self._estimate = EstimateTokenCounter()
         self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None

@@ -197,7 +197,10 @@ class ProxyState:
         ):
             rt.store = prev.store  # and its sessions; knobs are retuned at the swap
         else:
-            rt.store = built.store = make_store(pol.sessions)
+            errors = self.metrics.session_store_errors
+            rt.store = built.store = make_store(
+                pol.sessions, on_error=lambda op, reason: errors.labels(op, reason).inc()
+            )
         shared = pol.ladder.shared
         if prev is not None and prev.shared is not None and prev.policy.ladder.shared == shared:
             rt.shared = prev.shared

@@ -28,6 +28,9 @@ class SessionContext:
     key: str
     user_text: str
     status: str = "used"  # value of the X-Brownout-Session header
+    # Whose sessions this one counts with (`client_key`): the cap of
+    # `sessions.max_sessions_per_client`. None: no cap.
+    client: str | None = None
     history_messages: int = 0
     saved: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

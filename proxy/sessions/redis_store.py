@@ -11,6 +11,7 @@ import asyncio
 import codecs
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -19,11 +20,15 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from proxy.policy import SessionsPolicy
+from proxy.sessions.redis_scripts import APPEND_LUA, LOAD_LUA
 from proxy.sessions.redisbatch import ScriptBatcher
+from proxy.sessions.refusals import WRITE_REFUSALS, is_script_error, refusal_reason
 from proxy.sessions.store import (
+    SessionLimitReached,
     SessionStoreUnavailable,
     SessionTurnRejected,
     Turn,
@@ -71,72 +76,26 @@ def encode_json(obj: Any) -> bytes:
 
 # --------------------------------------------------------------------------- redis://
 
-# KEYS[1] session hash; ARGV: ttl_s, now. Refreshes the TTL only of an existing
-# session (a load must not create one).
-_LOAD_LUA = """
-local raw = redis.call('HGET', KEYS[1], 'history')
-if raw then
-  redis.call('HSET', KEYS[1], 'last_active', ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[1])
-end
-return raw
-"""
 
-# KEYS[1] session hash; ARGV: JSON list of new messages, messages to keep
-# (2 × max_turns), ttl_s, now. One atomic round trip: concurrent appends all
-# land, in commit order. Unreadable stored history is replaced, not fatal.
-_APPEND_LUA = """
-local history = {}
-local raw = redis.call('HGET', KEYS[1], 'history')
-if raw then
-  local ok, decoded = pcall(cjson.decode, raw)
-  if ok and type(decoded) == 'table' then history = decoded end
-end
--- Ids of the last turns stored: a turn whose save is retried lands once.
-local ids = {}
-local rawids = redis.call('HGET', KEYS[1], 'turn_ids')
-if rawids then
-  local ok, decoded = pcall(cjson.decode, rawids)
-  if ok and type(decoded) == 'table' then ids = decoded end
-end
-local seen = {}
-for _, v in ipairs(ids) do seen[v] = true end
-local msgs = cjson.decode(ARGV[1])
-for i, tid in ipairs(cjson.decode(ARGV[5])) do
-  if tid == '' or not seen[tid] then
-    history[#history + 1] = msgs[2 * i - 1]
-    history[#history + 1] = msgs[2 * i]
-    if tid ~= '' then ids[#ids + 1] = tid; seen[tid] = true end
-  end
-end
-local keep = tonumber(ARGV[2])
-local n = #history
-if n > keep then
-  local kept = {}
-  for i = n - keep + 1, n do kept[#kept + 1] = history[i] end
-  history = kept
-end
-if #ids > 64 then
-  local recent = {}
-  for i = #ids - 63, #ids do recent[#recent + 1] = ids[i] end
-  ids = recent
-end
-local fields = {'history', cjson.encode(history), 'last_active', ARGV[4]}
-if #ids > 0 then
-  fields[#fields + 1] = 'turn_ids'
-  fields[#fields + 1] = cjson.encode(ids)
-end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return #history
-"""
-
-
-def _is_script_error(exc: ResponseError) -> bool:
-    """A Lua runtime error (bad arguments), as opposed to the server refusing
-    work (OOM, READONLY, BUSY, ...), which is an outage like any other."""
+def _error_text(exc: BaseException) -> str:
+    """An error reply's text with its code first (redis-py may strip it)."""
     text = str(exc)
-    return "user_script" in text or "Error running script" in text
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code and not text.startswith(code):
+        text = f"{code} {text}"
+    return text
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """The metric label of a failed operation (a decision on the error's kind)."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    reason = refusal_reason(_error_text(exc))
+    if reason is not None:
+        return reason
+    if isinstance(exc, (ConnectionError, RedisConnectionError, OSError)):
+        return "connection"
+    return "error"
 
 
 class RedisSessionStore:
@@ -147,6 +106,11 @@ class RedisSessionStore:
     client-side retries: a retried append could store a turn twice, and the
     pool replaces dead connections when they are checked out, so operations
     work again as soon as Redis is back.
+
+    `healthy` is False while Redis does not answer, and also while it answers
+    but refuses writes (`proxy.sessions.refusals`: OOM, READONLY, MISCONF,
+    ...): reads that still work (a load, a ping) do not make the store up
+    again; only a write that lands does (an append, or a load's refresh).
     """
 
     def __init__(
@@ -156,15 +120,20 @@ class RedisSessionStore:
         ttl_s: int = 86400,
         max_turns: int = 20,
         timeout_s: float = 0.25,
+        max_per_client: int = 0,
         clock: Clock = time.time,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self._client = client
         self._ttl_s = ttl_s
         self._max_turns = max_turns
         self._timeout_s = timeout_s
+        self._max_per_client = max_per_client
         self._clock = clock
-        self._scripts = ScriptBatcher(client, {"load": _LOAD_LUA, "append": _APPEND_LUA}, timeout_s)
-        self._healthy = True
+        self._on_error = on_error
+        self._scripts = ScriptBatcher(client, {"load": LOAD_LUA, "append": APPEND_LUA}, timeout_s)
+        self._reachable = True
+        self._refusing: str | None = None  # why Redis refuses writes, while it does
         self._last_error: str | None = None
         self._stragglers: set[asyncio.Future[Any]] = set()  # timed-out operations
 
@@ -177,7 +146,9 @@ class RedisSessionStore:
         max_turns: int = 20,
         timeout_s: float = 0.25,
         max_connections: int = 32,
+        max_per_client: int = 0,
         clock: Clock = time.time,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> RedisSessionStore:
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -193,15 +164,28 @@ class RedisSessionStore:
             encoding_errors=DECODE_ERRORS,
         )
         client = aioredis.Redis.from_pool(pool)  # the client owns and closes the pool
-        return cls(client, ttl_s=ttl_s, max_turns=max_turns, timeout_s=timeout_s, clock=clock)
+        return cls(
+            client,
+            ttl_s=ttl_s,
+            max_turns=max_turns,
+            timeout_s=timeout_s,
+            max_per_client=max_per_client,
+            clock=clock,
+            on_error=on_error,
+        )
 
     @property
     def healthy(self) -> bool:
-        return self._healthy
+        return self._reachable and self._refusing is None
 
     @property
     def last_error(self) -> str | None:
         return self._last_error
+
+    @property
+    def refusing(self) -> str | None:
+        """Why Redis refuses writes (oom, readonly, misconf, noreplicas), while it does."""
+        return self._refusing
 
     async def _call(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
         # The operation runs as its own task and the caller waits at most
@@ -219,14 +203,12 @@ class RedisSessionStore:
             task.cancel()
             self._stragglers.add(task)
             task.add_done_callback(self._reap)
-            raise self._failed(op, f"timed out after {self._timeout_s}s")
+            raise self._failed(op, f"timed out after {self._timeout_s}s", "timeout")
         try:
             result = task.result()
         except (RedisError, OSError, TimeoutError) as exc:
-            raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
-        if not self._healthy:
-            log.warning("session store available again")
-            self._healthy = True
+            raise self._failed(op, f"{type(exc).__name__}: {exc}", _failure_reason(exc)) from exc
+        self._answered(wrote=op == "delete")
         return result
 
     async def _script(self, op: str, keys: list[str], args: list[Any]) -> Any:
@@ -235,38 +217,76 @@ class RedisSessionStore:
         try:
             result = await self._scripts.call(op, keys, args)  # fails at the deadline
         except TimeoutError:
-            raise self._failed(op, f"timed out after {self._timeout_s}s") from None
+            raise self._failed(op, f"timed out after {self._timeout_s}s", "timeout") from None
         except ResponseError as exc:
-            if not _is_script_error(exc):
-                raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
+            text = _error_text(exc)
+            if not is_script_error(text):
+                why = f"{type(exc).__name__}: {text}"
+                raise self._failed(op, why, _failure_reason(exc)) from exc
             # The store works; these arguments do not (e.g. text the script
             # cannot decode). Not an outage: `healthy` stays as it is.
-            log.warning("session store refused %s: %s", op, exc)
-            raise SessionTurnRejected(f"session store refused {op}: {exc}") from exc
+            log.warning("session store refused %s: %s", op, text)
+            self._count(op, "script")
+            raise SessionTurnRejected(f"session store refused {op}: {text}", "script") from exc
         except (RedisError, OSError, UnicodeDecodeError) as exc:
-            raise self._failed(op, f"{type(exc).__name__}: {exc}") from exc
-        if not self._healthy:
-            log.warning("session store available again")
-            self._healthy = True
+            raise self._failed(op, f"{type(exc).__name__}: {exc}", _failure_reason(exc)) from exc
         return result
+
+    def _answered(self, *, wrote: bool) -> None:
+        """Redis answered; `wrote`: and took a write, so it no longer refuses them."""
+        if wrote:
+            self._refusing = None
+        was_up = self.healthy
+        self._reachable = True
+        if self.healthy and not was_up:
+            log.warning("session store available again")
+
+    def _count(self, op: str, reason: str) -> None:
+        if self._on_error is not None:
+            self._on_error(op, reason)
 
     def _reap(self, task: asyncio.Future[Any]) -> None:
         self._stragglers.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: the caller already got SessionStoreUnavailable
 
-    def _failed(self, op: str, why: str) -> SessionStoreUnavailable:
-        if self._healthy:
+    def _failed(self, op: str, why: str, reason: str) -> SessionStoreUnavailable:
+        if self.healthy:
             log.warning("session store unavailable: %s %s", op, why)
-        self._healthy = False
+        if reason in WRITE_REFUSALS:
+            # Redis is up but refuses writes: an outage of the store all the same.
+            self._refusing = reason
+            self._reachable = True
+        else:
+            self._reachable = False
         self._last_error = f"{op}: {why}"
-        return SessionStoreUnavailable(f"session store {op} failed: {why}")
+        self._count(op, reason)
+        return SessionStoreUnavailable(f"session store {op} failed: {why}", reason)
 
-    async def load(self, key: str) -> list[dict[str, str]]:
+    def _cap_args(self, client: str | None, key: str) -> tuple[str, int]:
+        """(KEYS[2], cap) of a script call: no cap without a client."""
+        if client is None or self._max_per_client <= 0:
+            return key, 0
+        return client, self._max_per_client
+
+    async def load(self, key: str, client: str | None = None) -> list[dict[str, str]]:
         now = int(self._clock())
-        raw = await self._script("load", [key], [self._ttl_s, now])
+        ckey, cap = self._cap_args(client, key)
+        reply = await self._script("load", [key, ckey], [self._ttl_s, now, cap])
+        raw, refresh_error = reply[0], reply[1]
         if raw is None:
+            self._answered(wrote=False)
+            if cap and len(reply) >= 4 and int(reply[2]) >= cap:
+                first = float(reply[3]) if reply[3] is not None else now + self._ttl_s
+                raise SessionLimitReached(cap, max(1, math.ceil(first - now)))
             return []
+        if refresh_error:
+            # The history is read; only its refresh was refused: the load
+            # works, the store is reported down until a write lands.
+            reason = refusal_reason(refresh_error) or "error"
+            self._failed("refresh", refresh_error, reason)
+        else:
+            self._answered(wrote=True)
         try:
             history = json.loads(raw)
         except ValueError:
@@ -286,6 +306,7 @@ class RedisSessionStore:
         new_turns: Sequence[Turn],
         max_turns: int | None = None,
         ttl_s: int | None = None,
+        client: str | None = None,
     ) -> int:
         keep, ttl = append_limits(max_turns, ttl_s, self._max_turns, self._ttl_s)
         if not new_turns:  # nothing to store; an empty append must not create a session
@@ -293,8 +314,13 @@ class RedisSessionStore:
         payload = encode_json([m for t in new_turns for m in t.messages()])
         ids = encode_json([t.id for t in new_turns])
         now = int(self._clock())
-        n = await self._script("append", [key], [payload, keep, ttl, now, ids])
-        return int(n) // 2
+        ckey, cap = self._cap_args(client, key)
+        n = int(await self._script("append", [key, ckey], [payload, keep, ttl, now, ids, cap]))
+        self._answered(wrote=True)
+        if n < 0:
+            self._count("append", "limit")
+            raise SessionLimitReached(cap, ttl)
+        return n // 2
 
     async def delete(self, key: str) -> None:
         await self._call("delete", lambda: self._client.delete(key))
@@ -307,7 +333,11 @@ class RedisSessionStore:
         return True
 
     def retune(self, policy: SessionsPolicy) -> None:
-        self._ttl_s, self._max_turns = policy.ttl_s, policy.max_turns
+        self._ttl_s, self._max_turns, self._max_per_client = (
+            policy.ttl_s,
+            policy.max_turns,
+            policy.max_sessions_per_client,
+        )
 
     async def close(self) -> None:
         await self._scripts.close()

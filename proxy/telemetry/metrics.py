@@ -257,7 +257,8 @@ class Metrics:
 
         self.session_ops = Counter(
             "brownout_session_ops",
-            "Session store operations by result (ok, unavailable, queued, late, rejected).",
+            "Session store operations by result (ok, unavailable, queued, late, rejected, "
+            "limit: a new session past sessions.max_sessions_per_client).",
             ["op", "result"],
             registry=r,
         )
@@ -273,7 +274,15 @@ class Metrics:
         )
         self.session_store_up = Gauge(
             "brownout_session_store_up",
-            "1 while the session store answers.",
+            "1 while the session store answers and takes writes.",
+            registry=r,
+        )
+        self.session_store_errors = Counter(
+            "brownout_session_store_errors",
+            "Failed or refused session store operations by op (load, append, refresh: a "
+            "load's best-effort TTL refresh, delete, ping) and reason (timeout, connection, "
+            "oom, readonly, busy, misconf, loading, noreplicas, masterdown, script, limit, error).",
+            ["op", "reason"],
             registry=r,
         )
         self.trimmed = Counter(

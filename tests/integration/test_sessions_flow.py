@@ -1016,8 +1016,11 @@ async def test_sessions_are_scoped_by_api_key(
         r = await ask(proxy, "who am i", sid=sid, headers=headers)
         assert r.status == 401
     assert len(chat.bodies) == n
-    keys = sorted([k async for k in shared_redis.scan_iter(match=f"{key_prefix}*")])
-    assert len(keys) == 2
+    everything = sorted([k async for k in shared_redis.scan_iter(match=f"{key_prefix}*")])
+    # Besides the sessions: each key's set of its sessions (max_sessions_per_client).
+    keys = [k for k in everything if not k.startswith(f"{key_prefix}client:")]
+    assert len(keys) == 2 and len(everything) == 4
+    assert all(k1 not in k and k2 not in k for k in everything)
     for k in keys:
         assert k.startswith(f"{key_prefix}session:") and k.endswith(f":{sid}")
         assert ":anon:" not in k

@@ -83,6 +83,9 @@ class PrivateRedis:
                 "no",
                 "--dir",
                 str(self.workdir),
+                # Lets a fault test point `dir` at an unwritable place (MISCONF).
+                "--enable-protected-configs",
+                "local",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
