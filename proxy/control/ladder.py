@@ -47,7 +47,10 @@ R = n × (ramp_step_s + window_s) with n the shares below 1. The tier is normal
 and the ramp over by t0 + 2·S + max(S, R) + window_s — the worst path is a
 fallback ramp that its own failure rolls back to maintenance (one extra step)
 before the primary's ramp. `recovery_bound(policy)` computes it; the
-property test in tests/unit/test_ladder_recovery.py checks it.
+property test in tests/unit/test_ladder_recovery.py checks it. No request
+is routed to maintenance after t0 + 2·S + window_s (`maintenance_bound`:
+the step out of maintenance, after at most one rollback of a fallback ramp
+back into it; the primary's ramp never sends a request to maintenance).
 
 The machine is pure: time comes from an injectable clock, side effects (metrics,
 logs, status history) from the `on_transition` callback.
@@ -162,6 +165,13 @@ def recovery_bound(p: RecoveryPolicy) -> float:
     shares_below_one = next((i for i, share in enumerate(p.ramp) if share >= 1.0), len(p.ramp))
     ramp = shares_below_one * (p.ramp_step_s + w)
     return 2 * step + max(step, ramp) + w
+
+
+def maintenance_bound(p: RecoveryPolicy) -> float:
+    """Seconds of a healthy primary (no pressure, nothing forced) after which
+    no request is routed to maintenance, whatever the fallback does."""
+    w = p.window_s
+    return 2 * max(p.min_dwell_s + w, p.healthy_windows * w) + w
 
 
 @dataclass

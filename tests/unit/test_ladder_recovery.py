@@ -12,7 +12,8 @@ force and release tiers, and after every step the ladder must satisfy:
   failure of one backend never rolls back a ramp towards the other;
 - a forced tier is held until released;
 - a request is routed to maintenance only in the maintenance tier (a ramp
-  never holds requests back for maintenance).
+  never holds requests back for maintenance), and never once the primary
+  has been healthy for `maintenance_bound(policy)`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from proxy.control.ladder import TIERS, Ladder, Ramp, Signals, Tier, Transition, recovery_bound
+from proxy.control.ladder import (
+    TIERS,
+    Ladder,
+    Ramp,
+    Signals,
+    Tier,
+    Transition,
+    maintenance_bound,
+    recovery_bound,
+)
 from proxy.policy import RecoveryPolicy
 
 DEFAULTS = RecoveryPolicy()
@@ -208,6 +218,9 @@ def test_recovery_bound_of_the_default_policy() -> None:
     # step = max(10 + 1, 3 × 1) = 11 s; ramp = 3 × (10 + 1) = 33 s;
     # bound = 2 × 11 + max(11, 33) + 1 = 56 s.
     assert recovery_bound(DEFAULTS) == 56.0
+    # No maintenance answer after 2 × 11 + 1 = 23 s (57 s on 8c097b4: the
+    # primary's ramp held its rest back for maintenance to its end).
+    assert maintenance_bound(DEFAULTS) == 23.0
 
 
 # -------------------------------------------------------------- the simulation
@@ -242,6 +255,7 @@ class RecoveryMachine(RuleBasedStateMachine):
         self.ladder, self.clock, self.seen = make(policy)
         self.has_fallback = has_fallback
         self.bound = recovery_bound(policy)
+        self.maintenance_bound = maintenance_bound(policy)
         self._restart_clocks()
 
     def _signals(self) -> Signals:
@@ -305,8 +319,14 @@ class RecoveryMachine(RuleBasedStateMachine):
             for _ in range(load):
                 dest = lad.route()
                 if dest == "maintenance":
-                    # Issue 20: the tier says so whenever a request gets maintenance.
+                    # Issue 20: the tier says so whenever a request gets maintenance,
+                    # and a healthy primary ends them within maintenance_bound.
                     assert lad.tier == "maintenance", lad.snapshot()
+                    since = self.primary_since
+                    assert since is None or self.clock.t - since < self.maintenance_bound, (
+                        f"maintenance {self.clock.t - since:.2f} s after the primary recovered "
+                        f"(bound {self.maintenance_bound:.2f} s): {lad.snapshot()}"
+                    )
                     self._check_not_starved()
                     continue
                 if dest == "fallback" and not self.has_fallback:
