@@ -19,12 +19,21 @@ Stepping down goes towards whichever backend is healthy, the primary first:
   towards the fallback.
 
 A ramp gives its target `ramp[0]` of the requests (5 % by default), then each
-next share after `ramp_step_s`; the rest go to the next best destination
-(`Ramp.rest`: the fallback while it is healthy, else maintenance — re-read
-at every evaluation). `ramp_max_failures` failures *of the ramp's target*
-roll the ladder back to the tier the rest belongs to; a failure of the other
-backend never touches the ramp. Routing by share is deterministic (an
-accumulator, not a random draw), so a step never sends more than its share.
+next share after `ramp_step_s`; the rest go to the other backend while it is
+healthy (`Ramp.rest`: the fallback, else maintenance — re-read at every
+evaluation). A ramp holds requests back from its target only for a backend
+that can answer them: once the rest would be maintenance (the fallback down,
+or a ramp towards the fallback itself), the target takes every request
+(`Ramp.takes_all`, for the rest of the ramp, even if the fallback comes back:
+a healthy backend is not made to give traffic away mid-ramp). A user prefers
+an answer from a backend that just passed its probes, even a slow one, to a
+maintenance notice; the ramp's throttle tier (lower admission limit,
+sheddable requests shed) is what protects it meanwhile. `ramp_max_failures`
+failures *of the ramp's target* roll the ladder back to the tier the rest
+belongs to; a failure of the other backend never touches the ramp. Routing
+by share is deterministic (an accumulator, not a random draw), so a step
+never sends more than its share. So `route()` answers `maintenance` only in
+the maintenance tier.
 
 A forced tier (`POST /brownout/tier`) always wins until released. Releasing
 it moves at the next evaluation straight to the tier the live signals call
@@ -38,7 +47,10 @@ R = n × (ramp_step_s + window_s) with n the shares below 1. The tier is normal
 and the ramp over by t0 + 2·S + max(S, R) + window_s — the worst path is a
 fallback ramp that its own failure rolls back to maintenance (one extra step)
 before the primary's ramp. `recovery_bound(policy)` computes it; the
-property test in tests/unit/test_ladder_recovery.py checks it.
+property test in tests/unit/test_ladder_recovery.py checks it. No request
+is routed to maintenance after t0 + 2·S + window_s (`maintenance_bound`:
+the step out of maintenance, after at most one rollback of a fallback ramp
+back into it; the primary's ramp never sends a request to maintenance).
 
 The machine is pure: time comes from an injectable clock, side effects (metrics,
 logs, status history) from the `on_transition` callback.
@@ -112,16 +124,27 @@ class Transition:
 @dataclass(slots=True)
 class Ramp:
     """A recovered backend taking back its traffic, share by share; what
-    the ramp does not send to it goes to `rest`."""
+    the ramp does not send to it goes to `rest` — unless `takes_all`: the
+    rest had nowhere to go but maintenance, so the target takes everything."""
 
     target: Literal["primary", "fallback"]
     step: int
     step_started: float
     rest: Destination = "fallback"
+    takes_all: bool = False
     failures: int = 0
     acc: float = 0.0
     sent: int = 0  # requests sent to the target during this step
     seen: int = 0  # requests routed during this step
+
+    def __post_init__(self) -> None:
+        self.set_rest(self.rest)
+
+    def set_rest(self, rest: Destination) -> None:
+        """Where held-back requests would go now; maintenance is nowhere to
+        hold them back for, so from then on the target takes them all."""
+        self.rest = rest
+        self.takes_all = self.takes_all or rest == "maintenance"
 
 
 def desired_tier(s: Signals) -> Tier:
@@ -142,6 +165,13 @@ def recovery_bound(p: RecoveryPolicy) -> float:
     shares_below_one = next((i for i, share in enumerate(p.ramp) if share >= 1.0), len(p.ramp))
     ramp = shares_below_one * (p.ramp_step_s + w)
     return 2 * step + max(step, ramp) + w
+
+
+def maintenance_bound(p: RecoveryPolicy) -> float:
+    """Seconds of a healthy primary (no pressure, nothing forced) after which
+    no request is routed to maintenance, whatever the fallback does."""
+    w = p.window_s
+    return 2 * max(p.min_dwell_s + w, p.healthy_windows * w) + w
 
 
 @dataclass
@@ -201,7 +231,7 @@ class Ladder:
         else:
             self.healthy_streak = 0
         if self.ramp is not None and self.ramp.target == "primary":
-            self.ramp.rest = _rest(s)
+            self.ramp.set_rest(_rest(s))
         self._advance_ramp(now)
         return t
 
@@ -266,8 +296,11 @@ class Ladder:
     # -- routing -----------------------------------------------------------------
 
     def ramp_share(self) -> float | None:
+        """The share of requests the ramp's target gets now (1 when it takes all)."""
         r = self.ramp
-        return None if r is None else self.policy.ramp[r.step]
+        if r is None:
+            return None
+        return 1.0 if r.takes_all else self.policy.ramp[r.step]
 
     def route(self) -> Destination:
         """Where the next request goes."""
@@ -276,7 +309,7 @@ class Ladder:
             return "maintenance"
         r = self.ramp
         if r is not None and self.forced is None:
-            return r.target if self._ramp_take(r) else r.rest
+            return r.target if r.takes_all or self._ramp_take(r) else r.rest
         return "fallback" if tier == "failover" else "primary"
 
     def _ramp_take(self, r: Ramp) -> bool:
@@ -314,7 +347,8 @@ class Ladder:
             else {
                 "target": r.target,
                 "rest": r.rest,
-                "share": self.policy.ramp[r.step],
+                "takes_all": r.takes_all,
+                "share": self.ramp_share(),
                 "step": r.step,
                 "failures": r.failures,
             },

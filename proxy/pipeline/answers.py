@@ -27,10 +27,16 @@ _SHED_MESSAGES = {
 
 def maintenance(rec: RequestRecord, inbox: Inbox, why: str) -> tuple[web.Response, Terminal]:
     """Tier 3: the FAQ / maintenance notice as a valid completion; on a path
-    it cannot answer (pass-through), an OpenAI 503 error with Retry-After."""
+    it cannot answer (pass-through), an OpenAI 503 error with Retry-After.
+
+    Its `X-Brownout-Tier` is `maintenance` whatever the ladder's tier: the
+    ladder routes to maintenance only in that tier, but a request that no
+    backend could answer gets this answer in any tier (its access-log line
+    says `tier=maintenance` too, `finish`)."""
     rt = rec.rt
     pol = rt.policy.ladder.maintenance
     headers = rec.headers("maintenance")
+    headers["X-Brownout-Tier"] = "maintenance"
     headers["Retry-After"] = str(pol.retry_after_s)
     if rec.endpoint not in ("chat", "completions"):
         inbox.maintenance_answer("unavailable")

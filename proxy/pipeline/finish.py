@@ -67,7 +67,8 @@ def finish(rec: RequestRecord, term: Terminal) -> None:
         request_id=rec.rid,
         endpoint=rec.endpoint,
         backend=term.backend,
-        tier=rt.tier,
+        # What the client was told: a maintenance answer's tier is maintenance.
+        tier="maintenance" if term.backend == "maintenance" else rt.tier,
         status=term.status,
         stream=rec.stream,
         outcome=term.outcome,

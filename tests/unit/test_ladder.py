@@ -161,14 +161,26 @@ def test_ramp_rolls_back_on_failure() -> None:
 
 
 def test_maintenance_recovery_ramps_the_fallback() -> None:
+    # Issue 20: the ramp held 95 % back for maintenance, the only other
+    # destination; now the fallback answers them all, on probation.
     ladder, clock, _ = make()
     ladder.evaluate(ALL_DOWN)
     assert ladder.route() == "maintenance"
     hold(ladder, clock, PRIMARY_DOWN, 10)
     assert ladder.tier == "failover"
+    assert ladder.ramp is not None
+    assert (ladder.ramp.target, ladder.ramp.rest, ladder.ramp.takes_all) == (
+        "fallback",
+        "maintenance",
+        True,
+    )
+    assert ladder.ramp_share() == 1.0
     routes = [ladder.route() for _ in range(100)]
-    assert routes.count("fallback") == 5
-    assert routes.count("maintenance") == 95
+    assert routes == ["fallback"] * 100
+    # Still on probation: its failure rolls back to maintenance.
+    t = ladder.report_failure("fallback")
+    assert t is not None and (t.to_tier, t.reason) == ("maintenance", "ramp_rollback")
+    assert ladder.route() == "maintenance"
 
 
 def test_forced_tier_wins_and_release_returns_to_the_live_tier() -> None:

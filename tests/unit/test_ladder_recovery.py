@@ -10,7 +10,10 @@ force and release tiers, and after every step the ladder must satisfy:
 - a healthy backend is never starved by the other's failures: a healthy
   fallback serves everything the primary cannot within the same bound, and a
   failure of one backend never rolls back a ramp towards the other;
-- a forced tier is held until released.
+- a forced tier is held until released;
+- a request is routed to maintenance only in the maintenance tier (a ramp
+  never holds requests back for maintenance), and never once the primary
+  has been healthy for `maintenance_bound(policy)`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from proxy.control.ladder import TIERS, Ladder, Ramp, Signals, Tier, Transition, recovery_bound
+from proxy.control.ladder import (
+    TIERS,
+    Ladder,
+    Ramp,
+    Signals,
+    Tier,
+    Transition,
+    maintenance_bound,
+    recovery_bound,
+)
 from proxy.policy import RecoveryPolicy
 
 DEFAULTS = RecoveryPolicy()
@@ -90,19 +102,50 @@ def test_primary_back_while_the_fallback_stays_down_recovers() -> None:
     assert seen[-1].at - seen[0].at <= 2 * (DEFAULTS.min_dwell_s + DEFAULTS.window_s)
 
 
-def test_primary_ramp_from_maintenance_sends_the_rest_to_maintenance() -> None:
-    ladder, clock, _ = make()
+def test_primary_ramp_with_the_fallback_down_takes_every_request() -> None:
+    # Issue 20: on 8c097b4 the ramp sent 95 %, 80 %, then 50 % of the
+    # requests to maintenance for ~33 s (under tier throttle, then normal).
+    # With the fallback down, maintenance is no place to hold them back for.
+    ladder, clock, seen = make()
     ladder.evaluate(ALL_DOWN)
     run(ladder, clock, PRIMARY_ONLY, DEFAULTS.min_dwell_s)
     assert ladder.tier == "throttle"
     assert ladder.ramp is not None
-    assert (ladder.ramp.target, ladder.ramp.rest) == ("primary", "maintenance")
+    assert (ladder.ramp.target, ladder.ramp.rest, ladder.ramp.takes_all) == (
+        "primary",
+        "maintenance",
+        True,
+    )
+    assert ladder.snapshot()["ramp"] == {
+        "target": "primary",
+        "rest": "maintenance",
+        "takes_all": True,
+        "share": 1.0,
+        "step": 0,
+        "failures": 0,
+    }
     routes = [ladder.route() for _ in range(100)]
-    assert (routes.count("primary"), routes.count("maintenance")) == (5, 95)
-    # The fallback comes back mid-ramp: the rest goes to it from the next window.
-    run(ladder, clock, OK, DEFAULTS.window_s, per_window=0)
+    assert routes == ["primary"] * 100
+    # The fallback comes back mid-ramp: the primary keeps what it has (a
+    # healthy backend is not made to give traffic away), and a rollback
+    # would now go to the fallback's tier.
+    assert run(ladder, clock, OK, DEFAULTS.ramp_step_s, per_window=10) == ["primary"] * 100
+    assert ladder.ramp is not None and ladder.ramp.rest == "fallback"
+    t = ladder.report_failure("primary")
+    assert t is not None and (t.to_tier, t.reason) == ("failover", "ramp_rollback")
+    assert [x.to_tier for x in seen] == ["maintenance", "throttle", "normal", "failover"]
+
+
+def test_primary_ramp_with_the_fallback_healthy_still_holds_back() -> None:
+    ladder, clock, _ = make()
+    ladder.evaluate(Signals(primary_ok=False, fallback_ok=True))
+    run(ladder, clock, OK, DEFAULTS.min_dwell_s + 2, per_window=0)
+    assert ladder.ramp is not None and not ladder.ramp.takes_all
     routes = [ladder.route() for _ in range(100)]
-    assert set(routes) == {"primary", "fallback"}
+    assert (routes.count("primary"), routes.count("fallback")) == (5, 95)
+    # The fallback goes down mid-ramp: from the next window the primary takes all.
+    run(ladder, clock, PRIMARY_ONLY, DEFAULTS.window_s, per_window=0)
+    assert [ladder.route() for _ in range(100)] == ["primary"] * 100
 
 
 def test_a_fallback_failure_never_rolls_back_the_primary_ramp() -> None:
@@ -175,6 +218,9 @@ def test_recovery_bound_of_the_default_policy() -> None:
     # step = max(10 + 1, 3 × 1) = 11 s; ramp = 3 × (10 + 1) = 33 s;
     # bound = 2 × 11 + max(11, 33) + 1 = 56 s.
     assert recovery_bound(DEFAULTS) == 56.0
+    # No maintenance answer after 2 × 11 + 1 = 23 s (57 s on 8c097b4: the
+    # primary's ramp held its rest back for maintenance to its end).
+    assert maintenance_bound(DEFAULTS) == 23.0
 
 
 # -------------------------------------------------------------- the simulation
@@ -209,6 +255,7 @@ class RecoveryMachine(RuleBasedStateMachine):
         self.ladder, self.clock, self.seen = make(policy)
         self.has_fallback = has_fallback
         self.bound = recovery_bound(policy)
+        self.maintenance_bound = maintenance_bound(policy)
         self._restart_clocks()
 
     def _signals(self) -> Signals:
@@ -272,6 +319,14 @@ class RecoveryMachine(RuleBasedStateMachine):
             for _ in range(load):
                 dest = lad.route()
                 if dest == "maintenance":
+                    # Issue 20: the tier says so whenever a request gets maintenance,
+                    # and a healthy primary ends them within maintenance_bound.
+                    assert lad.tier == "maintenance", lad.snapshot()
+                    since = self.primary_since
+                    assert since is None or self.clock.t - since < self.maintenance_bound, (
+                        f"maintenance {self.clock.t - since:.2f} s after the primary recovered "
+                        f"(bound {self.maintenance_bound:.2f} s): {lad.snapshot()}"
+                    )
                     self._check_not_starved()
                     continue
                 if dest == "fallback" and not self.has_fallback:
