@@ -301,8 +301,14 @@ class Runtime:
         if up.judge.ledgers:
             led = up.judge.ledgers.get(id(b))
             if led is not None and led.streak:
-                for h in led.streak_over():
-                    self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+                # A success ended the streak: a streak several clients saw was
+                # the backend's (transient); one client's alone, that client's.
+                streak = led.streak_over()
+                if len({h.client for h in streak}) > 1:
+                    for h in streak:
+                        self._charge_backend(up, h.fault)
+                else:
+                    self._absolved(up, streak, "a success ended one client's failure streak")
 
     def report_failure(
         self,
@@ -344,15 +350,14 @@ class Runtime:
             self._count_failure(up, b, permit, kind, detail)
             if b.state != "closed":  # it opened: the streak was the backend's
                 for h in led.streak_over():
-                    self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+                    self._charge_backend(up, h.fault)
             return
-        self.metrics.failures.labels(up.name, "backend", kind).inc()
+        self._charge_backend(up, kind)
         self._count_failure(up, b, permit, kind, detail)
 
     def _count_failure(
         self, up: Upstream, b: BackendBreaker, permit: Permit | None, kind: str, detail: str
     ) -> None:
-        self.metrics.upstream_errors.labels(up.name, kind).inc()
         counted = b.outcomes
         reason = f"{kind}: {detail}" if detail else kind
         if permit is None:
@@ -397,6 +402,11 @@ class Runtime:
         b.forgive(permit)
         self._absolved(up, mine, "failed on every backend while their probes passed")
 
+    def _charge_backend(self, up: Upstream, fault: str) -> None:
+        """A failure judged the backend's: both counters that say so."""
+        self.metrics.failures.labels(up.name, "backend", fault).inc()
+        self.metrics.upstream_errors.labels(up.name, fault).inc()
+
     def report_charged(self, up: Upstream, attribution: str, fault: str) -> None:
         """A failure charged to the request or to load: counted, never judged."""
         self.metrics.failures.labels(up.name, attribution, fault).inc()
@@ -409,7 +419,7 @@ class Runtime:
         except asyncio.CancelledError:
             # Shutting down (or a reload's cleanup): no verdict, nothing opens.
             for h in led.probe_done(False):
-                self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+                self._charge_backend(up, h.fault)
             raise
         ok = None if isinstance(why, ProbeMisconfigured) else why is None
         held = led.probe_done(ok is True)
@@ -425,7 +435,7 @@ class Runtime:
             "failures_corroborated", backend=up.name, model=b.model, failures=len(held), probe=probe
         )
         for h in held:
-            self.metrics.failures.labels(up.name, "backend", h.fault).inc()
+            self._charge_backend(up, h.fault)
         if held and b.state == "closed":
             h = held[-1]
             self._count_failure(up, b, None, h.fault, f"{h.detail} ({probe})".strip())

@@ -84,7 +84,7 @@ class Metrics:
         )
         self.upstream_errors = Counter(
             "brownout_upstream_errors",
-            "Upstream failures by backend and kind.",
+            "Upstream failures charged to the backend (attribution `backend`), by kind.",
             ["backend", "kind"],
             registry=r,
         )

@@ -70,6 +70,15 @@ PREFILL_400 = {
         "code": 400,
     }
 }
+# A hostile client's sampling value (issue 20): both fakes answer it 500.
+POISON_TOP_P = 1e-300
+POISON_500 = {
+    "error": {
+        "message": "probability tensor contains either inf, nan or element < 0",
+        "type": "InternalServerError",
+        "code": 500,
+    }
+}
 RATE_LIMITED = {
     "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": 429}
 }
@@ -158,6 +167,10 @@ class ScriptedBackend:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if body.get("top_p") == POISON_TOP_P:
+            # A value the engine chokes on (inf/nan in sampling), in every mode:
+            # the request's problem; the probe (no top_p) is unaffected.
+            return web.json_response(POISON_500, status=500)
         if self.rejects_prefill and body.get("continue_final_message"):
             return web.json_response(PREFILL_400, status=400)
         mode = self.mode

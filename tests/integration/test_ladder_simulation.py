@@ -47,6 +47,10 @@ What a client notices, checked after every request and every step:
   ramp when no pressure signal was active in that time either; once the
   fallback has been healthy that long, no maintenance answer either (a
   healthy backend is never starved by the other's failures);
+- no sequence of requests from one client opens the breaker of a backend
+  whose probe succeeds (`hostile`: poison sampling values both engines
+  answer 500 to) — its negative control is `storm_outage`, where the probe
+  fails too and the breakers still open;
 - a forced tier holds until released;
 - when the load stops, the in-flight counters are back at zero and
   each request has exactly one access-log line (its status and backend as
@@ -82,7 +86,7 @@ from proxy.policy import Policy, parse_policy
 from proxy.runtime.keys import STATE
 from proxy.runtime.loops import Evaluator, wanted_loops
 from tests.integration.conftest import free_port
-from tests.integration.sim_backends import MODES, PARTIAL, Mode, ScriptedBackend
+from tests.integration.sim_backends import MODES, PARTIAL, POISON_TOP_P, Mode, ScriptedBackend
 
 W = 0.5  # the ladder's window, in (fake) seconds
 TOKEN = "sim-admin-token"
@@ -503,6 +507,58 @@ class ProxySimulation(RuleBasedStateMachine):
         self.backends["fallback"].rejects_prefill = rejects_prefill
         cut = Ask(stream=True, priority=None, session=session, logprobs=False, deadline=None)
         self.run(self._load([cut, cut]))
+
+    @rule(n=st.integers(1, 12), stream=st.booleans(), with_load=st.booleans())
+    def hostile(self, n: int, stream: bool, with_load: bool) -> None:
+        """One client sends poison requests (a sampling value both engines
+        answer 500 to, whatever their mode; their probes pass), alone or
+        beside ordinary load. Invariant (issue 20): no sequence of requests
+        from one client opens the breaker of a backend whose probe succeeds —
+        a healthy backend's closed breaker stays closed. (The negative
+        control is `storm_outage`: a backend whose probe fails too still
+        opens, within the policy's bound.)"""
+        before = {
+            name: (self.backends[name].mode, up.breaker.state)
+            for name, up in self.rt.upstreams.items()
+        }
+        plain = Ask(stream=stream, priority=None, session=False, logprobs=False, deadline=None)
+        self.run(self._hostile(n, stream, [plain, plain] if with_load else []))
+        for name, up in self.rt.upstreams.items():
+            mode, state = before[name]
+            if mode == "healthy" and state == "closed":
+                assert up.breaker.state == "closed", (
+                    f"one client's poison requests opened the healthy {name}'s breaker: "
+                    f"{up.breaker.last_reason}"
+                )
+
+    async def _hostile(self, n: int, stream: bool, others: list[Ask]) -> None:
+        rids = [f"hostile-{self.questions}-{i}" for i in range(n)]
+        self.questions += 1
+        replies = [Reply(a, f"q{self.questions}-{i}", None) for i, a in enumerate(others)]
+
+        async def one(rid: str) -> None:
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "poison"}],
+                "stream": stream,
+                "top_p": POISON_TOP_P,
+            }
+            async with self.client.post(
+                self.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": rid}
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:  # an OpenAI error object, never plain text
+                    assert "error" in json.loads(raw), raw[:200]
+
+        with structlog.testing.capture_logs() as logs:
+            await asyncio.gather(*(one(rid) for rid in rids), *(self._send(r) for r in replies))
+            for r in replies:
+                self._check_reply(r)
+            await self._quiet()
+        mine = [e for e in logs if e.get("event") == "request" and e["request_id"] in rids]
+        assert len(mine) == n, mine
+        self.recorded += n
+        self._check_access_log(replies, [e for e in logs if e not in mine])
 
     # -- rules: load -----------------------------------------------------------------------
 
