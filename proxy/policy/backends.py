@@ -107,3 +107,8 @@ class BackendPolicy:
 class BackendsPolicy:
     primary: BackendPolicy = required("The main engine (vLLM).")
     fallback: BackendPolicy | None = knob(None, "The fallback (Transformers server); optional.")
+    candidate: BackendPolicy | None = knob(
+        None,
+        "The engine being rolled out against the primary (`rollout:`); optional. Same "
+        "keys as the primary.",
+    )

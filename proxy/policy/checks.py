@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
@@ -48,7 +49,8 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
         conv.issue(node_at(root, path), f"{path}: {message}")
 
     heartbeat = policy.server.heartbeat_s
-    for name in ("primary", "fallback"):
+    rollout_checks(policy, bad)
+    for name in ("primary", "fallback", "candidate"):
         b = getattr(policy.backends, name)
         if b is None:
             continue
@@ -171,3 +173,43 @@ def _redis_problem(url: str) -> str | None:
     if db and not db.isdigit():
         return f"not a valid Redis URL (the database must be a number, got {db!r})"
     return None
+
+
+_WINDOW_RE = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)$")
+_HEADER_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def rollout_checks(policy: Policy, bad: Callable[..., None]) -> None:
+    """`rollout:`: steps, sticky, priorities, advance window, time zone."""
+    r = policy.rollout
+    steps = r.steps
+    if not steps:
+        bad("rollout.steps", "must list at least one share (the last one 1)")
+    else:
+        if any(b <= a for a, b in itertools.pairwise(steps)):
+            bad("rollout.steps", f"must rise step by step, got {list(steps)}")
+        if steps[-1] != 1:
+            bad("rollout.steps", f"must end at 1 (all eligible traffic), got {steps[-1]:g}")
+    sticky = r.sticky
+    if sticky not in ("session", "api_key", "none") and not (
+        sticky.startswith("header:") and _HEADER_RE.match(sticky[7:])
+    ):
+        bad(
+            "rollout.sticky",
+            f"must be session, api_key, header:NAME or none, got {sticky!r}",
+        )
+    from proxy.policy.priority import PRIORITIES
+
+    for p in r.priorities:
+        if p not in PRIORITIES:
+            bad("rollout.priorities", f"unknown priority {p!r} (one of {', '.join(PRIORITIES)})")
+    if r.advance_window is not None and not _WINDOW_RE.match(r.advance_window):
+        bad("rollout.advance_window", f'must be "HH:MM-HH:MM", got {r.advance_window!r}')
+    try:
+        import zoneinfo
+
+        zoneinfo.ZoneInfo(r.timezone)
+    except (ValueError, KeyError, OSError):  # ZoneInfoNotFoundError is a KeyError
+        bad("rollout.timezone", f"unknown time zone {r.timezone!r}")
+    if r.auto_start and policy.backends.candidate is None:
+        bad("rollout.auto_start", "needs backends.candidate (the engine to roll out)")

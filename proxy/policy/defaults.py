@@ -81,6 +81,10 @@ def _comment(k: Knob) -> str:
     return f"{first}{f' [{rng}]' if rng else ''}{marks}"
 
 
+# Optional sections the default policy leaves out (written as `null`).
+ABSENT = frozenset({"backends.candidate"})
+
+
 def _section(cls: type[Any], prefix: str, indent: int, out: list[str]) -> None:
     index = knob_index()
     hints = get_type_hints(cls)
@@ -88,6 +92,11 @@ def _section(cls: type[Any], prefix: str, indent: int, out: list[str]) -> None:
     for f in public_fields(cls):
         path = f"{prefix}{f.name}"
         sub = section_of(hints[f.name])
+        if path in ABSENT:
+            # An optional section that is off unless written (same keys as primary).
+            out.append(f"{pad}# {str(f.metadata.get('doc', '')).strip()}")
+            out.append(f"{pad}{f.name}: null")
+            continue
         if sub is not None:
             if indent == 0:
                 out.append("")
