@@ -18,7 +18,7 @@ from typing import Literal
 from aiohttp import web
 
 from proxy.ingress.completions import chat_completions, completions
-from proxy.ops import handlers
+from proxy.ops import handlers, rollout
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Auth = Literal["client", "admin", "none"]
@@ -95,6 +95,10 @@ ROUTES: tuple[Route, ...] = (
           "Force or release a tier."),
     Route("reload", "/brownout/reload", ("POST",), handlers.reload_policy, "admin", _OPS,
           "Re-read the policy file."),
+    Route("rollout", "/brownout/rollout", ("GET",), rollout.get_rollout, "admin", _OPS,
+          "The gray release: state, step, share, gates, bundles."),
+    Route("rollout_action", "/brownout/rollout", ("POST",), rollout.post_rollout, "admin",
+          _OPS, "Start, pause, resume, abort or promote the gray release."),
 )
 # fmt: on
 

@@ -45,6 +45,9 @@ def finish(rec: RequestRecord, term: Terminal) -> None:
         m.stream_errors.labels(term.backend, term.stream_error).inc()
     if term.bad_request:
         m.bad_requests.labels(term.bad_request).inc()
+    canary = rt.canary
+    if canary is not None:
+        canary.finished(rec, term, elapsed)
     extra: dict[str, Any] = {}
     notes = []
     for backend, sg in rec.guards:

@@ -63,6 +63,13 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         if dest == "maintenance":
             response, term = maintenance(rec, inbox, f"tier {rt.tier}")
             return response
+        canary = rt.canary
+        if canary is not None and dest == "primary" and canary.rollout.routing:
+            # A gray release: the request's bucket picks its arm; a candidate
+            # failure before the first byte is then retried on the primary.
+            cand = rt.upstreams.get("candidate")
+            if cand is not None and cand.available and canary.wants_candidate(rec):
+                candidates = [cand, *candidates]
         result = await run_attempts(
             rec, inbox, candidates, passthrough=rec.endpoint == "passthrough"
         )
@@ -101,6 +108,7 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
     finally:
         rec.rt.inflight -= 1
         if term is not None:
+            rec.candidate_fault = inbox.candidate_fault
             finish(rec, term)
 
 

@@ -25,7 +25,7 @@ log = structlog.get_logger("brownout.request")
 
 
 class Inbox:
-    __slots__ = ("body", "request", "rid", "rt")
+    __slots__ = ("body", "candidate_fault", "request", "rid", "rt")
 
     def __init__(
         self,
@@ -38,6 +38,7 @@ class Inbox:
         self.rid = rid
         self.request = request
         self.body = body  # the request's JSON (its `model`, on a failure's path)
+        self.candidate_fault = ""  # the gray release's candidate failed it (by its fault)
 
     @property
     def client(self) -> str:
@@ -106,6 +107,8 @@ class Inbox:
             up, permit, Held(v.fault, result.detail, self.client, self.rid)
         ):
             return  # a hung engine looks the same: the probe's verdict counts it
+        if up.name == "candidate" and v.attribution == "backend":
+            self.candidate_fault = v.fault
         if v.attribution != "backend":
             self.rt.report_charged(up, v.attribution, v.fault)
             log.info(

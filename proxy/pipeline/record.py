@@ -104,6 +104,8 @@ class RequestRecord:
     adapted: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Fields removed for a backend that does not honour them (policy `drop`).
     dropped: dict[str, list[str]] = field(default_factory=dict)
+    # The candidate's own failure of this request (a gray release's evidence).
+    candidate_fault: str = ""
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
 
     def headers(self, backend: str) -> dict[str, str]:

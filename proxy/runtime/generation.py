@@ -30,6 +30,7 @@ from proxy.control.pressure import PressureMonitor, next_limit
 from proxy.control.shared import BreakerId, SharedState
 from proxy.guard.compiled import Guard
 from proxy.policy import Grant, Policy, Priority, parse_key_priorities
+from proxy.runtime.canary import Canary
 from proxy.runtime.status import status_of
 from proxy.runtime.supervise import Supervisor
 from proxy.sessions.conversation import TurnIds
@@ -90,6 +91,10 @@ class Runtime:
         self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None
         self.shared: SharedState | None = None
         self._applying_remote = False
+        # The gray release of backends.candidate (proxy.runtime.canary).
+        self.canary: Canary | None = (
+            Canary(pol, self.clock, m, self.spawn) if pol.backends.candidate is not None else None
+        )
 
     def bind_gauges(self) -> None:
         """Point the app's gauges at this generation: called when it goes
@@ -134,6 +139,10 @@ class Runtime:
         # whichever generation is current when the store answers again.
         self.pending_saves = prev.pending_saves
         self.pending_saves.limit = self.policy.sessions.pending_saves
+        if self.canary is not None and prev.canary is not None:
+            a, b = self.policy.backends.candidate, prev.policy.backends.candidate
+            same = a is not None and b is not None and a.url == b.url
+            self.canary.adopt(prev.canary, same)
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str = "spawn") -> None:
         """Fire-and-forget work (shared-state writes) that must not delay a

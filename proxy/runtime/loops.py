@@ -84,6 +84,8 @@ class Evaluator:
                         task = self.state.supervisor.spawn(name, self._probe(up, b, model, permit))
                         self._probing[key] = task
         rt.evaluate(window=True)
+        if rt.canary is not None:
+            rt.canary.tick(rt.upstreams.get("candidate"))
 
     def probing(self) -> list[str]:
         return sorted(t.get_name() for t in self._probing.values())

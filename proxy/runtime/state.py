@@ -40,6 +40,7 @@ from proxy.control.shared import SharedState
 from proxy.openai.capabilities import PLAIN
 from proxy.policy import Policy, PolicyError, load_policy, policy_diff, split_restart
 from proxy.policy.diff import RESTART_MARK
+from proxy.runtime.canary import read_state
 from proxy.runtime.generation import Runtime
 from proxy.runtime.supervise import Body, Supervisor
 from proxy.sessions.counters import HFTokenCounter
@@ -142,7 +143,12 @@ class ProxyState:
         recorded in `built`. Changes nothing that `prev` uses: the swap is
         `_commit`'s."""
         pol = rt.policy
-        for name, bp in (("primary", pol.backends.primary), ("fallback", pol.backends.fallback)):
+        named = (
+            ("primary", pol.backends.primary),
+            ("fallback", pol.backends.fallback),
+            ("candidate", pol.backends.candidate),
+        )
+        for name, bp in named:
             if bp is None:
                 continue
             old = prev.upstreams.get(name) if prev is not None else None
@@ -192,6 +198,14 @@ class ProxyState:
                 rt.counters[name] = prev.counters[name]
             elif bp.tokenizer:
                 rt.counters[name] = await HFTokenCounter.load(bp.tokenizer)
+        canary = rt.canary
+        if canary is not None and (prev is None or prev.canary is None):
+            # A (re)start: the rollout goes on where it was (snapshot_dir/state.json).
+            saved = await asyncio.to_thread(read_state, canary.dir)
+            if saved is not None:
+                canary.restore(saved)
+            elif pol.rollout.auto_start:
+                canary.act("start")
         if prev is not None and store_identity(prev.policy.sessions) == store_identity(
             pol.sessions
         ):

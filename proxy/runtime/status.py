@@ -87,6 +87,7 @@ def status_of(rt: Runtime) -> dict[str, Any]:
             "saves_waiting": len(rt.pending_saves),
         },
         "shared": rt.shared.snapshot() if rt.shared is not None else {"enabled": False},
+        "rollout": rt.canary.snapshot() if rt.canary is not None else {"state": "idle"},
         "policy": {"source": rt.policy.source},
         "uptime_s": round(time.time() - rt.started_at, 1),
     }

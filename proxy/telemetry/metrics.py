@@ -162,6 +162,30 @@ class Metrics:
             ["backend", "outcome"],
             registry=r,
         )
+        self.rollout_state = Gauge(
+            "brownout_rollout_state",
+            "The gray release's state: 0 idle, 1 mirror, 2 step, 3 paused, 4 complete, "
+            "5 rolled_back, 6 aborted.",
+            registry=r,
+        )
+        self.rollout_share = Gauge(
+            "brownout_rollout_share",
+            "Share of eligible traffic on backends.candidate now.",
+            registry=r,
+        )
+        self.rollout_gate_value = Gauge(
+            "brownout_rollout_gate_value",
+            "The rollout gates' last figures: arm `ratio` is the gate's value, "
+            "`primary`/`candidate` each arm's figure.",
+            ["gate", "arm"],
+            registry=r,
+        )
+        self.rollout_rollbacks = Counter(
+            "brownout_rollout_rollbacks",
+            "Rollouts rolled back, by the gate that failed.",
+            ["gate"],
+            registry=r,
+        )
         self.failures = Counter(
             "brownout_failures",
             "Failed attempts by backend, attribution (backend: the engine is broken, and only "

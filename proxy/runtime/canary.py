@@ -1,0 +1,352 @@
+"""A running gray release (issue 21): the rollout and its gates, wired to the
+requests that pass, the evaluation loop, the rollback bundle and the saved
+state.
+
+Per request (only while a rollout runs): one hash for the sticky bucket at
+routing, one `Gates.observe` at the finish. A candidate failure counts
+against it when it is its own: definitive (refused, engine death, OOM), a
+stream it cut mid-answer, or a failure before the first byte of a request
+that another backend then answered — the same request was fine elsewhere,
+so no client can roll a good candidate back by sending what no engine
+takes (that fails everywhere: the request's problem).
+
+Each window (`tick`): the candidate's health and breaker, then the gates;
+a failing gate rolls back at once, passing gates let the step advance.
+Rolled back: `snapshot_dir/<rollout-id>/` gets `verdict.json`,
+`errors.jsonl`, `metrics.prom` and `timeline.jsonl`, written off the loop into
+a temporary directory renamed into place (atomic); a write that fails is
+shown in status (`bundle_error`), never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from proxy.control.attribution import DEFINITIVE
+from proxy.control.gates import GateReport, Gates, GateValue
+from proxy.control.rollout import (
+    RUNNING,
+    STATE_VALUES,
+    Action,
+    Rollout,
+    RolloutEvent,
+    bucket,
+    random_bucket,
+)
+from proxy.openai.auth import bearer_token
+from proxy.policy import Policy
+from proxy.telemetry.metrics import Metrics
+
+if TYPE_CHECKING:
+    from proxy.backends.upstream import Upstream
+    from proxy.pipeline.record import RequestRecord, Terminal
+
+log = structlog.get_logger("brownout.rollout")
+
+STATE_FILE = "state.json"
+ERRORS_KEPT = 200  # error records per arm kept for the bundle
+TIMELINE_KEPT = 5000
+
+
+class Canary:
+    def __init__(
+        self,
+        policy: Policy,
+        clock: Callable[[], float],
+        metrics: Metrics,
+        spawn: Callable[[Coroutine[Any, Any, None], str], None],
+    ) -> None:
+        rp = policy.rollout
+        self.policy = rp
+        self.clock = clock
+        self.metrics = metrics
+        self.spawn = spawn
+        self.dir = Path(rp.snapshot_dir)
+        self.rollout = Rollout(rp, clock, self._on_event, wall=time.time)
+        self.gates = Gates(rp.gates, quality_required=rp.eval is not None)
+        self.errors: dict[str, collections.deque[dict[str, Any]]] = {
+            "primary": collections.deque(maxlen=ERRORS_KEPT),
+            "candidate": collections.deque(maxlen=ERRORS_KEPT),
+        }
+        self.timeline: collections.deque[dict[str, Any]] = collections.deque(maxlen=TIMELINE_KEPT)
+        self.report: GateReport | None = None
+        self.bundles: list[str] = []
+        self.bundle_error: str | None = None
+        self.state_error: str | None = None
+        sticky = rp.sticky
+        self._header = sticky[7:] if sticky.startswith("header:") else None
+        self._wall_offset = time.time() - clock()
+
+    # -- per request ---------------------------------------------------------------
+
+    def bucket_of(self, rec: RequestRecord) -> float:
+        headers = rec.request.headers
+        sticky = self.policy.sticky
+        if sticky == "session":
+            key = headers.get("X-Session-Id")
+        elif sticky == "api_key":
+            key = bearer_token(headers.get("Authorization"))
+        elif self._header is not None:
+            key = headers.get(self._header)
+        else:
+            key = None
+        # No key (a request without a session id, say): a bucket of its own.
+        return bucket(key) if key else random_bucket()
+
+    def wants_candidate(self, rec: RequestRecord) -> bool:
+        ro = self.rollout
+        return ro.routing and ro.arm(self.bucket_of(rec), rec.priority) == "candidate"
+
+    def finished(self, rec: RequestRecord, term: Terminal, elapsed: float) -> None:
+        """One request's end, while a rollout runs: the gates' sample."""
+        if self.rollout.state not in RUNNING:
+            return
+        now = self.clock()
+        fault = rec.candidate_fault
+        arm = term.backend
+        if fault:
+            own = (
+                fault in DEFINITIVE
+                or (arm == "candidate" and bool(term.stream_error))
+                or (arm != "candidate" and term.status < 400 and not term.stream_error)
+            )
+            self._error(rec, "candidate", term, fault, counted=own)
+            if own:
+                hard = self.gates.observe(
+                    "candidate", now, latency_s=None, ttft_s=None, failed=True, oom=fault == "oom"
+                )
+                if hard is not None:
+                    self.roll_back(hard)
+            return
+        if arm not in ("primary", "candidate"):
+            return
+        if term.status >= 500 or term.stream_error:
+            self._error(rec, arm, term, term.stream_error or f"http_{term.status}", counted=False)
+        if term.status >= 400 or term.outcome == "client_disconnect":
+            return  # no latency sample: not an answer
+        ttft = term.client_ttft if rec.stream else None
+        self.gates.observe(arm, now, latency_s=elapsed, ttft_s=ttft)  # type: ignore[arg-type]
+
+    def _error(
+        self, rec: RequestRecord, arm: str, term: Terminal, fault: str, *, counted: bool
+    ) -> None:
+        self.errors[arm].append(
+            {
+                "at": round(time.time(), 3),
+                "request_id": rec.rid,
+                "arm": arm,
+                "answered_by": term.backend,
+                "status": term.status,
+                "outcome": term.outcome,
+                "fault": fault,
+                "detail": term.detail,
+                "counted": counted,
+            }
+        )
+
+    # -- each window -----------------------------------------------------------------
+
+    def tick(self, cand: Upstream | None) -> None:
+        ro = self.rollout
+        if ro.state not in RUNNING:
+            return
+        now = self.clock()
+        if cand is None:
+            self.roll_back(self.gates.unhealthy(now, "backends.candidate is gone"))
+            return
+        if cand.down or cand.breaker.state == "open":
+            why = (
+                cand.health.last_error if cand.down else f"breaker open: {cand.breaker.last_reason}"
+            )
+            self.roll_back(self.gates.unhealthy(now, f"candidate unhealthy: {why}"))
+            return
+        report = self.gates.evaluate(now)
+        self.report = report
+        self._gauges(report)
+        if report.failed is not None:
+            self.roll_back(report.failed)
+            return
+        self._timeline("gates", now, report=report.as_dict())
+        ev = ro.tick(now, report.ready)
+        if ev is not None and ev.kind in ("step", "mirror_done"):
+            self.gates.reset()
+
+    def roll_back(self, gate: GateValue) -> None:
+        ro = self.rollout
+        now = self.clock()
+        ev = ro.rollback(now, gate.gate, gate.detail or f"{gate.gate} failed")
+        if ev is None:
+            return
+        self.metrics.rollout_rollbacks.labels(gate.gate).inc()
+        report = self.gates.evaluate(now)
+        verdict = {
+            "rollout_id": ro.rollout_id,
+            "gate": gate.gate,
+            "detail": gate.detail,
+            "value": gate.value,
+            "limit": gate.limit,
+            "arms": gate.arms,
+            "step": ro.step,
+            "share": ro.policy.steps[ro.step],
+            "rolled_back_at": self._wall(now),
+            "started_at": self._wall(ro.started_at) if ro.started_at is not None else None,
+            "gates": report.as_dict(),
+        }
+        files = {
+            "verdict.json": json.dumps(verdict, indent=2, default=str) + "\n",
+            "errors.jsonl": "".join(
+                json.dumps(e, default=str) + "\n" for arm in self.errors.values() for e in arm
+            ),
+            "metrics.prom": self.metrics.exposition().decode("utf-8", "replace"),
+            "timeline.jsonl": "".join(json.dumps(t, default=str) + "\n" for t in self.timeline),
+        }
+        self.spawn(self._write_bundle(ro.rollout_id or "rollout", files), "rollout_bundle")
+
+    async def _write_bundle(self, rid: str, files: dict[str, str]) -> None:
+        try:
+            path = await asyncio.to_thread(write_bundle, self.dir, rid, files)
+        except OSError as exc:
+            self.bundle_error = f"{type(exc).__name__}: {exc}"
+            log.error("rollout_bundle_failed", dir=str(self.dir), error=self.bundle_error)
+            return
+        self.bundle_error = None
+        self.bundles.append(str(path))
+        log.warning("rollout_bundle_written", path=str(path))
+
+    # -- operator ----------------------------------------------------------------------
+
+    def act(self, action: Action) -> str:
+        why = self.rollout.act(action, self.clock())
+        if not why and action in ("start", "resume"):
+            self.gates.reset()
+        return why
+
+    # -- events, state, status ------------------------------------------------------------
+
+    def _on_event(self, ev: RolloutEvent) -> None:
+        self.metrics.rollout_state.set(STATE_VALUES[ev.state])
+        self.metrics.rollout_share.set(ev.share)
+        self._timeline(
+            ev.kind, ev.at, state=ev.state, step=ev.step, share=ev.share, detail=ev.detail
+        )
+        level = log.warning if ev.kind == "rolled_back" else log.info
+        level(
+            "rollout_changed",
+            rollout_id=self.rollout.rollout_id,
+            change=ev.kind,
+            state=ev.state,
+            step=ev.step,
+            share=ev.share,
+            gate=ev.gate or None,
+            detail=ev.detail or None,
+        )
+        self.save()
+
+    def _timeline(self, kind: str, at: float, **data: Any) -> None:
+        self.timeline.append({"at": self._wall(at), "event": kind, **data})
+
+    def _gauges(self, report: GateReport) -> None:
+        g = self.metrics.rollout_gate_value
+        for v in report.gates:
+            if v.value is not None:
+                g.labels(v.gate, "ratio").set(v.value)
+            for arm, x in v.arms.items():
+                if x is not None:
+                    g.labels(v.gate, arm).set(x)
+
+    def _wall(self, t: float) -> float:
+        return round(t + self._wall_offset, 3)
+
+    def save(self) -> None:
+        """The rollout's state to `snapshot_dir/state.json` (off the loop)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (unit tests of the machine alone)
+        self.spawn(self._save(json.dumps(self.rollout.to_state())), "rollout_state")
+
+    async def _save(self, data: str) -> None:
+        try:
+            await asyncio.to_thread(write_atomic, self.dir / STATE_FILE, data)
+            self.state_error = None
+        except OSError as exc:
+            self.state_error = f"{type(exc).__name__}: {exc}"
+            log.error("rollout_state_not_saved", dir=str(self.dir), error=self.state_error)
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        self.rollout.restore(saved, self.clock())
+        self.metrics.rollout_state.set(STATE_VALUES[self.rollout.state])
+        self.metrics.rollout_share.set(self.rollout.share)
+
+    def adopt(self, prev: Canary, same_candidate: bool) -> None:
+        """A reload: the same candidate keeps its rollout (its step and the
+        time spent on it; new gate thresholds apply); another starts over."""
+        if not same_candidate or prev.policy.steps != self.policy.steps:
+            return
+        self.rollout.restore(prev.rollout.to_state(), self.clock())
+        self.rollout.history = prev.rollout.history
+        self.rollout.started_at = prev.rollout.started_at
+        self.errors, self.timeline = prev.errors, prev.timeline
+        self.bundles = prev.bundles
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.rollout.snapshot()
+        snap["gates"] = self.report.as_dict() if self.report is not None else None
+        snap["bundles"] = list(self.bundles)
+        snap["bundle_error"] = self.bundle_error
+        snap["state_error"] = self.state_error
+        snap["snapshot_dir"] = str(self.dir)
+        snap["history"] = [
+            {
+                "at": self._wall(e.at),
+                "change": e.kind,
+                "step": e.step,
+                "share": e.share,
+                "detail": e.detail,
+                "gate": e.gate or None,
+            }
+            for e in self.rollout.history[-20:]
+        ]
+        return snap
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_bundle(root: Path, rid: str, files: dict[str, str]) -> Path:
+    """`root/<rid>/` with `files`, all or nothing: written into a temporary
+    directory, then renamed into place (`<rid>.2`, ... if taken)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{rid}.{os.getpid()}.tmp"
+    tmp.mkdir()
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    final = root / rid
+    n = 1
+    while final.exists():
+        n += 1
+        final = root / f"{rid}.{n}"
+    os.rename(tmp, final)
+    return final
+
+
+def read_state(root: Path) -> dict[str, Any] | None:
+    """The saved rollout state, or None (absent or unreadable)."""
+    try:
+        data = json.loads((root / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
