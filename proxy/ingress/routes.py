@@ -95,10 +95,9 @@ ROUTES: tuple[Route, ...] = (
           "Force or release a tier."),
     Route("reload", "/brownout/reload", ("POST",), handlers.reload_policy, "admin", _OPS,
           "Re-read the policy file."),
-    Route("rollout", "/brownout/rollout", ("GET",), rollout.get_rollout, "admin", _OPS,
-          "The gray release: state, step, share, gates, bundles."),
-    Route("rollout_action", "/brownout/rollout", ("POST",), rollout.post_rollout, "admin",
-          _OPS, "Start, pause, resume, abort or promote the gray release."),
+    Route("rollout", "/brownout/rollout", ("GET", "POST"), rollout.rollout, "admin", _OPS,
+          "The gray release (GET: state, step, share, gates, bundles; POST "
+          '{"action": ...}: start, pause, resume, abort, promote).'),
 )
 # fmt: on
 

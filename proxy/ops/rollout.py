@@ -31,7 +31,9 @@ def rollout_status(rt: Runtime) -> dict[str, Any]:
     return snap
 
 
-async def get_rollout(request: web.Request) -> web.Response:
+async def rollout(request: web.Request) -> web.Response:
+    if request.method == "POST":
+        return await post_rollout(request)
     return web.json_response(rollout_status(request.app[STATE].current))
 
 
@@ -45,7 +47,7 @@ async def post_rollout(request: web.Request) -> web.Response:
     if action not in ACTIONS:
         return error_response(
             400,
-            f"expected {{\"action\": one of {', '.join(ACTIONS)}}}",
+            f'expected {{"action": one of {", ".join(ACTIONS)}}}',
             code="invalid_action",
             param="action",
         )

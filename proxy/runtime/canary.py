@@ -114,10 +114,12 @@ class Canary:
         fault = rec.candidate_fault
         arm = term.backend
         if fault:
+            # Its answer started and then failed (rescued or not), or the same
+            # request was answered elsewhere: the candidate's own failure.
             own = (
                 fault in DEFINITIVE
-                or (arm == "candidate" and bool(term.stream_error))
-                or (arm != "candidate" and term.status < 400 and not term.stream_error)
+                or arm == "candidate"
+                or (term.status < 400 and not term.stream_error)
             )
             self._error(rec, "candidate", term, fault, counted=own)
             if own:
@@ -176,9 +178,28 @@ class Canary:
             self.roll_back(report.failed)
             return
         self._timeline("gates", now, report=report.as_dict())
-        ev = ro.tick(now, report.ready)
-        if ev is not None and ev.kind in ("step", "mirror_done"):
-            self.gates.reset()
+        ro.tick(now, report.ready or self._last_step_without_baseline(report))
+
+    def _last_step_without_baseline(self, report: GateReport) -> bool:
+        """At the last step (all eligible traffic on the candidate) the primary
+        may get too little traffic to compare with once the earlier steps'
+        samples have left the window: a ratio gate that waits only for the
+        baseline does not hold the rollout there (the hard gates still judge)."""
+        ro = self.rollout
+        if ro.state != "step" or ro.step < len(ro.policy.steps) - 1:
+            return False
+        need = ro.policy.gates.min_samples
+        if report.samples.get("candidate", 0) < need:
+            return False
+        return all(
+            g.verdict == "pass"
+            or (
+                g.gate in ("ttft_ratio", "p99_ratio")
+                and g.verdict == "wait"
+                and report.samples.get("primary", 0) < need
+            )
+            for g in report.gates
+        )
 
     def roll_back(self, gate: GateValue) -> None:
         ro = self.rollout
