@@ -261,6 +261,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="context window in tokens (default: the model's max_position_embeddings)",
     )
+    fb.add_argument(
+        "--grammar-workers",
+        metavar="N",
+        type=int,
+        default=2,
+        help="threads compiling response_format / forced tool call grammars (xgrammar)",
+    )
+    fb.add_argument(
+        "--grammar-queue",
+        metavar="N",
+        type=int,
+        default=8,
+        help="requests waiting for a grammar thread before a 503 with Retry-After",
+    )
+    fb.add_argument(
+        "--grammar-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=5.0,
+        help="longest a request waits for its grammar (in line and compiling), then a 503 "
+        "with Retry-After; the compile goes on and is cached",
+    )
     fb.set_defaults(func=_cmd_fallback_server)
 
     tiny = sub.add_parser(

@@ -30,9 +30,11 @@ from proxy.fallback.choices import ChoiceOutput, Choices
 from proxy.fallback.engine import Engine
 from proxy.fallback.errors import APIError, invalid
 from proxy.fallback.fields import check_capabilities
+from proxy.fallback.grammarlane import CompileTimeout, LaneFull
 from proxy.fallback.httpio import (
     check_capacity,
     check_model,
+    grammar_busy,
     overloaded,
     read_json,
     send,
@@ -102,7 +104,12 @@ async def _serve(
     check_capabilities(caps, req.sampling, req.output, chat=chat, grammar=grammar)
     check_capacity(app)
     prompt_ids, processors = await app[WORKERS].tokenize(prepare)
-    processors += await app[API_SUPPORT].compile_grammar(req.output)
+    try:
+        processors += await app[API_SUPPORT].compile_grammar(req.output)
+    except LaneFull:
+        raise grammar_busy(app, timed_out=False) from None
+    except CompileTimeout:
+        raise grammar_busy(app, timed_out=True) from None
     job = _Job(
         prompt_ids, req.sampling, req.output, processors, req.stream, req.include_usage, arrived
     )

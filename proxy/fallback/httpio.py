@@ -103,6 +103,27 @@ def overloaded(app: web.Application, admission: Admission | None = None) -> APIE
     )
 
 
+def grammar_busy(app: web.Application, *, timed_out: bool) -> APIError:
+    """503 + Retry-After: the grammar lane is full, or the grammar missed its deadline
+    (the compile goes on and is cached: a retry may find it ready). Load, not a fault."""
+    settings = app[SETTINGS]
+    if timed_out:
+        message = (
+            f"The response_format / tools grammar was not compiled within "
+            f"{settings.grammar.timeout_s:g} s; its compile goes on and is cached, please "
+            "retry later."
+        )
+    else:
+        message = "Every grammar compile worker is busy; please retry later."
+    return APIError(
+        503,
+        message,
+        type_="server_error",
+        code="grammar_timeout" if timed_out else "overloaded",
+        headers={"Retry-After": str(settings.retry_after_s)},
+    )
+
+
 def shutting_down() -> APIError:
     return APIError(503, "The server is shutting down.", type_="server_error", code="shutdown")
 

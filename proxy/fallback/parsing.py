@@ -20,6 +20,7 @@ from proxy.fallback.protocol import (
     ToolCall,
 )
 from proxy.fallback.reading import Body, json_text, require_object, wrong_type
+from proxy.fallback.schemalimits import check_schema
 from proxy.fallback.tools import parse_tool_use, parse_tools
 
 _SEED_MIN = -(2**63)
@@ -159,7 +160,9 @@ def _parse_response_format(b: Body) -> ResponseFormat:
     if not isinstance(schema, dict):
         raise wrong_type("response_format.json_schema.schema", "an object", schema)
     strict = spec.get("strict")
-    return ResponseFormat("json_schema", json_text(schema), strict is True)
+    text = json_text(schema)
+    check_schema(text, "response_format")
+    return ResponseFormat("json_schema", text, strict is True)
 
 
 def _parse_logit_bias(b: Body) -> tuple[tuple[int, float], ...]:
@@ -193,6 +196,9 @@ def _parse_output(b: Body, endpoint: Endpoint) -> Output:
     )
     if output.tool_use.constrained and output.response_format.kind != "text":
         raise invalid("A forced tool call and 'response_format' cannot be combined.", "tool_choice")
+    if output.tool_use.constrained:  # the tools' parameters become one grammar
+        schemas = [t.parameters or "{}" for t in output.tool_use.tools]
+        check_schema("[" + ",".join(schemas) + "]", "tools")
     return output
 
 

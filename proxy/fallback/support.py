@@ -20,6 +20,7 @@ from aiohttp import web
 from transformers import AutoConfig, AutoTokenizer, LogitsProcessor
 
 from proxy.fallback.errors import invalid, unsupported
+from proxy.fallback.grammarlane import LaneLimits
 from proxy.fallback.interface import LogitsProcessorFactory
 from proxy.fallback.protocol import Message, Output, Tool
 
@@ -105,13 +106,13 @@ class TokenTable:
         return text, text.encode()
 
 
-def _load_structured(tokenizer: Any, vocab_size: int) -> Structured | None:
+def _load_structured(tokenizer: Any, vocab_size: int, limits: LaneLimits) -> Structured | None:
     try:
         from proxy.fallback.structured import Structured
     except ImportError:  # xgrammar is optional: without it, no constrained output
         log.warning("structured_output_unavailable", reason="xgrammar is not installed")
         return None
-    return Structured(tokenizer, vocab_size)
+    return Structured(tokenizer, vocab_size, limits)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,9 @@ class ApiSupport:
         return tuple(factories)
 
     async def compile_grammar(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
-        """The grammar processor `output` needs (after the others), compiled off the loop."""
+        """The grammar processor `output` needs (after the others), from the grammar lane.
+
+        Raises the lane's `LaneFull` / `CompileTimeout` (the handler's 503s)."""
         if not output.needs_grammar:
             return ()
         if self.structured is None:
@@ -157,13 +160,15 @@ class ApiSupport:
             self.structured.shutdown()
 
     @classmethod
-    def load(cls, path: Path) -> ApiSupport:
-        """From the model directory (local files only); raises like `AutoTokenizer`."""
+    def load(cls, path: Path, grammar: LaneLimits | None = None) -> ApiSupport:
+        """From the model directory (local files only); raises like `AutoTokenizer`.
+
+        `grammar`: the grammar lane's bounds (default `LaneLimits()`)."""
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         # The logits can be wider than the tokenizer (padded embedding matrices).
         vocab_size = max(int(getattr(config, "vocab_size", 0) or 0), len(tokenizer))
-        structured = _load_structured(tokenizer, vocab_size)
+        structured = _load_structured(tokenizer, vocab_size, grammar or LaneLimits())
         token_bytes = structured.token_bytes if structured is not None else None
         return cls(
             ChatTemplate(tokenizer), structured, TokenTable(tokenizer, token_bytes), vocab_size

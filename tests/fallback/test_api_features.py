@@ -9,10 +9,7 @@ serves what continuous batching cannot (logprobs, grammars, penalties, ...).
 
 from __future__ import annotations
 
-import http.client
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -420,47 +417,6 @@ def test_completions_honour_n_and_response_format(server: FallbackServer) -> Non
     assert [c["index"] for c in body["choices"]] == [0, 1]
     for choice in body["choices"]:
         assert json.loads(choice["text"]) in ({"answer": "yes"}, {"answer": "no"})
-
-
-def test_a_slow_schema_compile_does_not_hold_up_other_requests(server: FallbackServer) -> None:
-    """A deeply nested schema takes xgrammar seconds to compile (to a 400 here: its
-    innermost type is bad). It compiled on the one tokenizer thread, so every other
-    request, plain ones included, waited behind it (13.7 s at depth 480 on CPU)."""
-    depth = 300
-    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"nonsense"}' + "}}" * depth
-    body = (
-        '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"response_format":'
-        '{"type":"json_schema","json_schema":{"name":"deep","schema":' + schema + "}}}"
-    )
-    slow: dict[str, Any] = {}
-
-    def compile_slowly() -> None:
-        started = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-        try:
-            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            slow["status"], slow["body"] = response.status, response.read()
-        finally:
-            conn.close()
-        slow["seconds"] = time.monotonic() - started
-
-    thread = threading.Thread(target=compile_slowly)
-    thread.start()
-    latencies = []
-    while thread.is_alive():
-        started = time.monotonic()
-        status, answer = server.post(
-            "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "temperature": 0}
-        )
-        assert status == 200, answer
-        latencies.append(time.monotonic() - started)
-    thread.join()
-    assert slow["status"] == 400, slow
-    assert b"response_format" in slow["body"]
-    # Plain requests kept being served while the schema compiled.
-    assert len(latencies) >= 3, (latencies, slow["seconds"])
-    assert max(latencies) < slow["seconds"] / 3, (latencies, slow["seconds"])
 
 
 def test_stop_token_ids_still_stop_with_ignore_eos(server: FallbackServer) -> None:

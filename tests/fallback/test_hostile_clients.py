@@ -1,0 +1,142 @@
+"""One client's requests cannot hold up the fallback server for the others.
+
+Attacks measured on 8c097b4: six requests with costly `response_format`
+schemas (or one 100k-entry enum) held the one grammar thread past the
+proxy's first-byte deadline, which then opened the fallback's breaker. Here,
+on both engines, such requests are refused at once (over the static limits)
+or answered within the compile deadline (a 503 with Retry-After: load), and
+a plain request sent meanwhile is answered promptly.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fallback.conftest import FallbackServer, start_server, stop_server
+
+GRAMMAR_TIMEOUT_S = 1.0
+PLAIN = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
+
+
+@pytest.fixture(scope="module", params=("threads", "batched"))
+def hostile_server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FallbackServer]:
+    log_path = tmp_path_factory.mktemp(f"hostile-{request.param}") / "server.log"
+    args = [
+        "--engine", request.param, "--max-concurrency", "2", "--max-queue", "4",
+        "--grammar-workers", "1", "--grammar-queue", "1",
+        "--grammar-timeout", str(GRAMMAR_TIMEOUT_S),
+    ]  # fmt: skip
+    server = start_server(tiny_model_dir, log_path, args)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture
+def server(hostile_server: FallbackServer) -> Iterator[FallbackServer]:
+    assert hostile_server.proc.poll() is None, hostile_server.log_tail()
+    yield hostile_server
+    hostile_server.wait_metric("vllm:num_requests_running", 0, timeout=10)
+    hostile_server.wait_metric("vllm:num_requests_waiting", 0, timeout=10)
+
+
+def _post_raw(server: FallbackServer, body: str, timeout: float) -> dict[str, Any]:
+    """POST a raw JSON body; status, headers, body and seconds taken."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = response.read()
+        return {
+            "status": response.status,
+            "headers": dict(response.getheaders()),
+            "body": json.loads(payload) if payload else None,
+            "seconds": time.monotonic() - started,
+        }
+    finally:
+        conn.close()
+
+
+def _with_schema(schema: object) -> str:
+    return json.dumps(
+        PLAIN
+        | {
+            "max_tokens": 4,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            },
+        }
+    )
+
+
+def _costly_schema(tag: int) -> dict[str, Any]:
+    """Within every static limit (6 KB, depth 4, no enum), yet ≈ 5 s of xgrammar on
+    one idle core here: 100 properties, each a string of exactly 1,000 letters."""
+    names = [f"p{tag}_{i}" for i in range(100)]
+    return {
+        "type": "object",
+        "properties": {n: {"type": "string", "pattern": "[a-z]{1000}"} for n in names},
+        "required": names,
+    }
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"enum": [f"value-{i}" for i in range(100_000)]},  # > 120 s of compile on 8c097b4
+        json.loads('{"type":"object","properties":{"a":' * 200 + "{}" + "}}" * 200),
+        {"type": "string", "pattern": "[a-z]{20000}"},
+    ],
+    ids=["enum-100k", "depth-200", "repeat-20000"],
+)
+def test_an_oversized_schema_is_refused_at_once(server: FallbackServer, schema: object) -> None:
+    answer = _post_raw(server, _with_schema(schema), timeout=30)
+    assert answer["status"] == 400, answer
+    error = answer["body"]["error"]
+    assert error["param"] == "response_format"
+    assert "too large" in error["message"]
+    assert answer["seconds"] < 5, answer["seconds"]
+
+
+def test_costly_schemas_neither_hang_nor_hold_up_plain_requests(server: FallbackServer) -> None:
+    answers: list[dict[str, Any]] = []
+
+    def hostile(tag: int) -> None:
+        answers.append(_post_raw(server, _with_schema(_costly_schema(tag)), timeout=120))
+
+    started = server.metric("brownout_fallback_grammar_compiles_total", result="started")
+    threads = [threading.Thread(target=hostile, args=(tag,)) for tag in range(6)]
+    for thread in threads:
+        thread.start()
+    server.wait_metric("brownout_fallback_grammar_lane", 1, timeout=10, state="running")
+    plain = []
+    while any(t.is_alive() for t in threads) or len(plain) < 3:
+        plain.append(_post_raw(server, json.dumps(PLAIN), timeout=30))
+    for thread in threads:
+        thread.join()
+    # Every plain request was answered, and promptly, while the schemas compiled.
+    assert all(p["status"] == 200 for p in plain), plain
+    assert max(p["seconds"] for p in plain) < 3, [round(p["seconds"], 2) for p in plain]
+    # Every hostile request was answered within the deadline (plus slack for a
+    # loaded box), never past it, and as load: a 503 with Retry-After.
+    for answer in answers:
+        assert answer["status"] == 503, answer
+        assert answer["headers"].get("Retry-After") == "1", answer
+        assert answer["body"]["error"]["code"] in ("grammar_timeout", "overloaded")
+        assert answer["seconds"] < GRAMMAR_TIMEOUT_S + 4, answer["seconds"]
+    # One compile worker: one compile ran; the rest waited in line or were shed.
+    compiles = server.metric("brownout_fallback_grammar_compiles_total", result="started")
+    assert compiles - started == 1
