@@ -21,7 +21,7 @@ from proxy.fallback.fields import advertise
 from proxy.fallback.generate import chat_completions, completions
 from proxy.fallback.httpio import check_model, read_json
 from proxy.fallback.metrics import CONTENT_TYPE
-from proxy.fallback.parsing import parse_tokenize
+from proxy.fallback.parsing import check_prompt_size, parse_tokenize
 from proxy.fallback.protocol import TokenizeRequest
 from proxy.fallback.state import ENGINE, METRICS, SETTINGS, WORKERS
 from proxy.fallback.support import API_SUPPORT, ApiSupport
@@ -98,6 +98,8 @@ async def tokenize(request: web.Request) -> web.Response:
     app = request.app
     settings = app[SETTINGS]
     check_model(req.model, settings)
+    # A prompt that cannot fit the context is refused without tokenizing it.
+    check_prompt_size(req, settings.max_model_len, app[API_SUPPORT].max_token_chars)
     ids = await app[WORKERS].tokenize(partial(_tokenize_ids, app[ENGINE], app[API_SUPPORT], req))
     return web.json_response(
         {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids}

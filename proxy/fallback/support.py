@@ -122,6 +122,9 @@ class ApiSupport:
     token_text: TokenTable
 
     vocab_size: int
+    #: Characters of the vocabulary's longest token (special ones included): no
+    #: token covers more of a prompt's text (`parsing.check_prompt_size`).
+    max_token_chars: int = 1
 
     @property
     def grammar(self) -> bool:
@@ -171,8 +174,19 @@ class ApiSupport:
         structured = _load_structured(tokenizer, vocab_size, grammar or LaneLimits())
         token_bytes = structured.token_bytes if structured is not None else None
         return cls(
-            ChatTemplate(tokenizer), structured, TokenTable(tokenizer, token_bytes), vocab_size
+            ChatTemplate(tokenizer),
+            structured,
+            TokenTable(tokenizer, token_bytes),
+            vocab_size,
+            longest_token(tokenizer),
         )
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token's string has: byte-level BPE spells each byte as
+    one character, SentencePiece each character as one, so that bounds the prompt
+    characters a token can cover either way."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 API_SUPPORT = web.AppKey("api_support", ApiSupport)

@@ -140,3 +140,60 @@ def test_costly_schemas_neither_hang_nor_hold_up_plain_requests(server: Fallback
     # One compile worker: one compile ran; the rest waited in line or were shed.
     compiles = server.metric("brownout_fallback_grammar_compiles_total", result="started")
     assert compiles - started == 1
+
+
+# --- long prompts ------------------------------------------------------------------------
+
+
+def test_huge_prompts_are_refused_before_tokenizing_and_hold_no_one_up(
+    server: FallbackServer,
+) -> None:
+    """Three 15 MB prompts tokenized one after another on the tokenizer thread, and a
+    plain request waited behind them (58 s measured on 8c097b4)."""
+    huge = json.dumps(
+        {"messages": [{"role": "user", "content": "lorem ipsum " * 1_250_000}], "max_tokens": 1}
+    )
+    assert len(huge) > 15_000_000
+    answers: list[dict[str, Any]] = []
+    threads = [
+        threading.Thread(target=lambda: answers.append(_post_raw(server, huge, timeout=120)))
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    plain = []
+    while any(t.is_alive() for t in threads) or len(plain) < 3:
+        plain.append(_post_raw(server, json.dumps(PLAIN), timeout=120))
+    for thread in threads:
+        thread.join()
+    assert all(p["status"] == 200 for p in plain), plain
+    assert max(p["seconds"] for p in plain) < 3, [round(p["seconds"], 2) for p in plain]
+    for answer in answers:
+        assert answer["status"] == 400, answer
+        error = answer["body"]["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+        assert "maximum context length is 2048 tokens" in error["message"]
+
+
+def test_the_length_check_never_refuses_a_prompt_that_fits(server: FallbackServer) -> None:
+    """The bound is the vocabulary's longest token: a prompt of that many characters per
+    token, as long as the context allows, is still served (or refused by its real count)."""
+    _, tokenized = server.post("/tokenize", {"prompt": " " * 4000, "add_special_tokens": False})
+    fits = " " * 4000
+    status, answer = server.post(
+        "/v1/completions", {"prompt": fits, "max_tokens": 1, "add_special_tokens": False}
+    )
+    if tokenized["count"] < 2048:
+        assert status == 200, answer
+    else:
+        assert status == 400, answer
+        assert "tokens (" in answer["error"]["message"]  # the real count, after tokenizing
+
+
+def test_tokenize_refuses_a_huge_prompt_without_tokenizing_it(server: FallbackServer) -> None:
+    started = time.monotonic()
+    status, answer = server.post("/tokenize", {"prompt": "lorem ipsum " * 1_000_000})
+    assert status == 400, answer
+    assert answer["error"]["code"] == "context_length_exceeded"
+    assert answer["error"]["param"] == "prompt"
+    assert time.monotonic() - started < 3
