@@ -37,6 +37,16 @@ _MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the engine may allow fewer
 # batched engine: 100,000 of them (a 1.6 MB body) stalled every stream for 5 s.
 # OpenAI takes 4.
 MAX_STOPS = 64
+# Upper bounds where neither OpenAI nor vLLM set one and a huge value breaks the
+# numbers: a temperature or repetition_penalty of 1e300 is inf in float32, and a
+# logit divided by (or multiplied with) inf is nan, or 0 * inf. Past 100 the
+# temperature samples uniformly anyway; a penalty of 100 already bans a token.
+MAX_TEMPERATURE = 100.0
+# repetition_penalty: Transformers divides positive logits by it, so 1e-300 made
+# them inf and sampling failed on nan ("probability tensor contains either inf,
+# nan or element < 0": a 500). 0.01 multiplies them by 100 at most.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 # vLLM's `_SAMPLING_EPS`: a lower temperature is greedy. Dividing the logits by a
 # temperature that rounds to 0 in float32 makes them inf/nan, which kills the
 # batched engine's loop (every later request a 503) and fails the threads engine.
@@ -76,11 +86,15 @@ def _parse_sampling(b: Body) -> SamplingParams:
     max_tokens = b.int_("max_completion_tokens", min_value=1)
     if max_tokens is None:
         max_tokens = b.int_("max_tokens", min_value=1)
-    temperature = b.float_("temperature", min_value=0.0)
+    temperature = b.float_("temperature", min_value=0.0, max_value=MAX_TEMPERATURE)
     top_p = b.float_("top_p", min_value=0.0, max_value=1.0, exclusive_min=True)
     top_k = b.int_("top_k", min_value=-1)
     min_tokens = b.int_("min_tokens", min_value=0)
-    penalty = b.float_("repetition_penalty", min_value=0.0, exclusive_min=True)
+    penalty = b.float_(
+        "repetition_penalty",
+        min_value=MIN_REPETITION_PENALTY,
+        max_value=MAX_REPETITION_PENALTY,
+    )
     stop_ids = b.raw("stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,

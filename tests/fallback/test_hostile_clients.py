@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from tests.fallback.conftest import FallbackServer, start_server, stop_server
 
@@ -197,3 +200,105 @@ def test_tokenize_refuses_a_huge_prompt_without_tokenizing_it(server: FallbackSe
     assert answer["error"]["code"] == "context_length_exceeded"
     assert answer["error"]["param"] == "prompt"
     assert time.monotonic() - started < 3
+
+
+# --- sampling parameters -----------------------------------------------------------------
+
+EXTREME_FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(
+        [0.0, -0.0, 5e-324, 1e-300, 1e-38, 1e-6, 1e-5, 0.5, 1.0, 2.0, 100.0, 1e38, 1e308]
+    ),
+)
+EXTREME_INTS = st.one_of(
+    st.integers(-3, 6),
+    st.integers(-(2**200), 2**200),
+    st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**400, -(10**400)]),
+)
+NUMBER = st.one_of(EXTREME_FLOATS, EXTREME_INTS)
+NUMERIC = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+    "presence_penalty", "seed", "max_tokens", "min_tokens", "n",
+)  # fmt: skip
+CHAT_ONLY = ("max_completion_tokens", "top_logprobs")
+
+
+def _number(value: float | int) -> str:
+    """JSON text of a number, as a hostile client writes it: inf as 1e309 (Python's JSON
+    reads that as inf), nan as NaN, integers with all their digits."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "1e309" if value > 0 else "-1e309"
+        return repr(value)
+    return str(value)
+
+
+def _body(endpoint: str, params: dict[str, float | int], extra: dict[str, Any]) -> str:
+    base: dict[str, Any] = {"max_tokens": 2} | extra
+    if endpoint == "chat":
+        base["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        base["prompt"] = "Hi"
+    fields = [f"{json.dumps(k)}:{json.dumps(v)}" for k, v in base.items() if k not in params]
+    fields += [f"{json.dumps(k)}:{_number(v)}" for k, v in params.items()]
+    return "{" + ",".join(fields) + "}"
+
+
+@st.composite
+def hostile_requests(draw: st.DrawFn) -> tuple[str, str, set[str]]:
+    endpoint = draw(st.sampled_from(["chat", "completions"]))
+    names = NUMERIC + (CHAT_ONLY if endpoint == "chat" else ("logprobs",))
+    params = draw(st.dictionaries(st.sampled_from(names), NUMBER, min_size=1, max_size=4))
+    extra: dict[str, Any] = {}
+    if endpoint == "chat" and draw(st.booleans()):
+        extra["logprobs"] = True
+    if draw(st.booleans()):
+        extra["logit_bias"] = {"5": None}  # its value is drawn below, as raw JSON
+        params_bias = draw(NUMBER)
+        body = _body(endpoint, params, extra).replace('"5":null', '"5":' + _number(params_bias))
+        return endpoint, body, set(params) | {"logit_bias"}
+    return endpoint, _body(endpoint, params, extra), set(params)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(request=hostile_requests())
+# The values that were a 500 on 8c097b4, always tried:
+@example(
+    request=("chat", _body("chat", {"repetition_penalty": 1e-300}, {}), {"repetition_penalty"})
+)
+@example(request=("chat", _body("chat", {"repetition_penalty": 1e300}, {}), {"repetition_penalty"}))
+@example(request=("chat", _body("chat", {"temperature": 10**400}, {}), {"temperature"}))
+@example(request=("completions", _body("completions", {"top_p": -(10**400)}, {}), {"top_p"}))
+@example(request=("chat", _body("chat", {"temperature": 1e300}, {}), {"temperature"}))
+def test_no_sampling_value_makes_a_500(
+    hostile_server: FallbackServer, request: tuple[str, str, set[str]]
+) -> None:
+    """Whatever number a client sends: a 400 naming a field, or an answer; never a 500
+    (`repetition_penalty: 1e-300` made the logits inf, and a 500: on 8c097b4)."""
+    endpoint, body, sent = request
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    conn = http.client.HTTPConnection("127.0.0.1", hostile_server.port, timeout=60)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        status, answer = response.status, json.loads(response.read())
+    finally:
+        conn.close()
+    assert status in (200, 400), (status, answer, body)
+    if status == 400:
+        error = answer["error"]
+        assert set(error) == {"message", "type", "param", "code"}, answer
+        assert error["type"] == "invalid_request_error"
+        assert error["param"], answer
+        assert error["param"].split(".")[0].split("[")[0] in sent | {"messages", "prompt"}
+    else:
+        assert answer["choices"], answer
+        for choice in answer["choices"]:
+            assert choice["finish_reason"] in ("stop", "length"), answer
+    assert hostile_server.proc.poll() is None, hostile_server.log_tail()
