@@ -122,8 +122,10 @@ class Choices:
         reason: FinishReason = event.reason
         if self._splitter is None:
             return ChoiceOutput(self._index, "", finished=event, reason=reason)
-        rest, calls, content = self._splitter.finish(self._tool_use)
-        if calls:
+        cut = event.reason == "length"
+        rest, calls, content = self._splitter.finish(self._tool_use, cut=cut)
+        forced_and_cut = cut and self._tool_use.constrained
+        if calls and not forced_and_cut:
             reason = "tool_calls"
         return ChoiceOutput(
             self._index,

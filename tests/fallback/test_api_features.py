@@ -325,6 +325,66 @@ def test_required_tool_call_streamed(server: FallbackServer, client: openai.Open
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == ""
 
 
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _forced_call(
+    server: FallbackServer, client: openai.OpenAI, max_tokens: int, *, stream: bool
+) -> tuple[str | None, str, str, str, str]:
+    """(finish_reason, content, call id, name, arguments) of a forced call of get_weather."""
+    kwargs: Any = dict(max_tokens=max_tokens, seed=3, tools=[WEATHER], tool_choice=FORCED)
+    if stream:
+        chunks = list(_chat(client, server, stream=True, **kwargs))
+        deltas = [ch.delta for c in chunks for ch in c.choices]
+        (call,) = [tc for d in deltas for tc in d.tool_calls or []]
+        content = "".join(d.content or "" for d in deltas)
+        reason = chunks[-1].choices[0].finish_reason
+        function = call.function
+        return reason, content, call.id or "", function.name or "", function.arguments or ""
+    choice = _chat(client, server, **kwargs).choices[0]
+    (whole,) = choice.message.tool_calls
+    return (
+        choice.finish_reason,
+        choice.message.content or "",
+        whole.id,
+        whole.function.name,
+        whole.function.arguments,
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_call_cut_by_max_tokens_is_a_partial_call(
+    server: FallbackServer, client: openai.OpenAI, stream: bool
+) -> None:
+    """As vLLM: the call with the arguments written so far and finish_reason "length".
+    It came back as `<tool_call>` markup in `content` (8c097b4)."""
+    full = _chat(client, server, max_tokens=120, seed=3, tools=[WEATHER], tool_choice=FORCED)
+    whole = full.choices[0].message.tool_calls[0].function.arguments
+    # The longest limit that cuts into the arguments (the grammar's text is fixed).
+    for limit in range(full.usage.completion_tokens - 1, 0, -1):
+        reason, content, call_id, name, arguments = _forced_call(
+            server, client, limit, stream=stream
+        )
+        if arguments != whole:
+            break
+    assert reason == "length"
+    assert content == ""
+    assert call_id.startswith("call_")
+    assert name == "get_weather"
+    assert arguments and whole.startswith(arguments) and arguments != whole, (arguments, whole)
+
+
+def test_a_required_tool_call_cut_before_the_name_has_no_markup(
+    server: FallbackServer, client: openai.OpenAI
+) -> None:
+    completion = _chat(
+        client, server, max_tokens=1, seed=4, tools=[WEATHER, TIME], tool_choice="required"
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length"
+    assert "<tool" not in (choice.message.content or "")
+
+
 def test_tools_are_rendered_into_the_prompt(server: FallbackServer, client: openai.OpenAI) -> None:
     plain = _chat(client, server, max_tokens=2)
     with_tools = _chat(client, server, max_tokens=2, tools=[WEATHER], tool_choice="auto")
