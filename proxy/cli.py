@@ -66,7 +66,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_fallback_server(args: argparse.Namespace) -> int:
-    from proxy.fallback.server import main as fallback_main
+    from proxy.fallback.api.server import main as fallback_main
 
     return fallback_main(args)
 

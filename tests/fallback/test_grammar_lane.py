@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import pytest
 
-from proxy.fallback.errors import APIError
-from proxy.fallback.grammarlane import CompileTimeout, GrammarLane, LaneFull, LaneLimits
-from proxy.fallback.schemalimits import (
+from proxy.fallback.api.errors import APIError
+from proxy.fallback.features.grammarlane import CompileTimeout, GrammarLane, LaneFull, LaneLimits
+from proxy.fallback.features.schemalimits import (
     MAX_ENUM_VALUES,
     MAX_SCHEMA_BYTES,
     MAX_SCHEMA_DEPTH,

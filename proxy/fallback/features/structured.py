@@ -26,11 +26,11 @@ from typing import Any, Literal
 import xgrammar as xgr
 from xgrammar.contrib.hf import LogitsProcessor as GrammarProcessor
 
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.grammarlane import GrammarLane, LaneLimits
-from proxy.fallback.interface import LogitsProcessorFactory
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.engines.interface import LogitsProcessorFactory
+from proxy.fallback.features.grammarlane import GrammarLane, LaneLimits
+from proxy.fallback.features.tools import CLOSE, OPEN
 from proxy.fallback.protocol import Output, Tool, ToolUse
-from proxy.fallback.tools import CLOSE, OPEN
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:

@@ -15,9 +15,9 @@ import json
 import re
 import uuid
 
-from proxy.fallback.errors import invalid, unsupported
+from proxy.fallback.api.errors import invalid, unsupported
+from proxy.fallback.api.reading import Body, json_text, wrong_type
 from proxy.fallback.protocol import Tool, ToolCall, ToolChoiceMode, ToolUse
-from proxy.fallback.reading import Body, json_text, wrong_type
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

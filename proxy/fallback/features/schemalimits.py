@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 
-from proxy.fallback.errors import APIError, invalid
+from proxy.fallback.api.errors import APIError, invalid
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 64

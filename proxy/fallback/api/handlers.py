@@ -15,16 +15,16 @@ import jinja2
 import structlog
 from aiohttp import web
 
-from proxy.fallback.engine import Engine
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.fields import advertise
-from proxy.fallback.generate import chat_completions, completions
-from proxy.fallback.httpio import check_model, read_json
-from proxy.fallback.metrics import CONTENT_TYPE
-from proxy.fallback.parsing import check_prompt_size, parse_tokenize
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.api.fields import advertise
+from proxy.fallback.api.generate import chat_completions, completions
+from proxy.fallback.api.httpio import check_model, read_json
+from proxy.fallback.api.metrics import CONTENT_TYPE
+from proxy.fallback.api.parsing import check_prompt_size, parse_tokenize
+from proxy.fallback.api.state import ENGINE, METRICS, SETTINGS, WORKERS
+from proxy.fallback.engines.engine import Engine
+from proxy.fallback.features.support import API_SUPPORT, ApiSupport
 from proxy.fallback.protocol import TokenizeRequest
-from proxy.fallback.state import ENGINE, METRICS, SETTINGS, WORKERS
-from proxy.fallback.support import API_SUPPORT, ApiSupport
 
 __all__ = [
     "chat_completions",

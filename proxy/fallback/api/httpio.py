@@ -8,10 +8,10 @@ import re
 import orjson
 from aiohttp import web
 
-from proxy.fallback.admission import Admission
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.shapes import JSONObject
-from proxy.fallback.state import ADMISSION, SETTINGS, SIDE_ADMISSION, Settings
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.api.shapes import JSONObject
+from proxy.fallback.api.state import ADMISSION, SETTINGS, SIDE_ADMISSION, Settings
+from proxy.fallback.engines.admission import Admission
 from proxy.openai.errors import error_body
 
 # A UTF-16 surrogate can only reach a parsed string through a \uD800-\uDFFF escape.

@@ -7,8 +7,11 @@ engine in use can do is checked later (`fields.check_capabilities`).
 
 from __future__ import annotations
 
-from proxy.fallback.errors import APIError, invalid, unsupported
-from proxy.fallback.fields import MAX_N, Endpoint, check_fields
+from proxy.fallback.api.errors import APIError, invalid, unsupported
+from proxy.fallback.api.fields import MAX_N, Endpoint, check_fields
+from proxy.fallback.api.reading import Body, json_text, require_object, wrong_type
+from proxy.fallback.features.schemalimits import check_schema
+from proxy.fallback.features.tools import parse_tool_use, parse_tools
 from proxy.fallback.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -19,9 +22,6 @@ from proxy.fallback.protocol import (
     TokenizeRequest,
     ToolCall,
 )
-from proxy.fallback.reading import Body, json_text, require_object, wrong_type
-from proxy.fallback.schemalimits import check_schema
-from proxy.fallback.tools import parse_tool_use, parse_tools
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.fallback.errors import APIError, invalid
+from proxy.fallback.api.errors import APIError, invalid
 
 
 def json_type(value: object) -> str:

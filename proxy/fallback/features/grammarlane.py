@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from proxy.fallback.admission import Admission, QueueFull
+from proxy.fallback.engines.admission import Admission, QueueFull
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.fallback.admission import Admission
-from proxy.fallback.engine import Engine
-from proxy.fallback.grammarlane import LaneLimits
-from proxy.fallback.interface import GenerationEngine
-from proxy.fallback.metrics import FallbackMetrics
+from proxy.fallback.api.metrics import FallbackMetrics
+from proxy.fallback.engines.admission import Admission
+from proxy.fallback.engines.engine import Engine
+from proxy.fallback.engines.interface import GenerationEngine
+from proxy.fallback.features.grammarlane import LaneLimits
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,10 @@ import jinja2
 import structlog
 from aiohttp import web
 
-from proxy.fallback.admission import QueueFull
-from proxy.fallback.choices import ChoiceOutput, Choices
-from proxy.fallback.engine import Engine
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.fields import check_capabilities
-from proxy.fallback.grammarlane import CompileTimeout, LaneFull
-from proxy.fallback.httpio import (
+from proxy.fallback.api.choices import ChoiceOutput, Choices
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.api.fields import check_capabilities
+from proxy.fallback.api.httpio import (
     check_capacity,
     check_model,
     grammar_busy,
@@ -48,23 +45,26 @@ from proxy.fallback.httpio import (
     send_error,
     shutting_down,
 )
-from proxy.fallback.interface import (
+from proxy.fallback.api.parsing import (
+    check_prompt_size,
+    parse_chat,
+    parse_completion,
+    resolve_max_tokens,
+)
+from proxy.fallback.api.shapes import ChatShape, ChoiceResult, CompletionShape, Shape, Usage
+from proxy.fallback.api.state import ADMISSION, ENGINE, METRICS, SETTINGS, SIDE_ADMISSION, WORKERS
+from proxy.fallback.engines.admission import QueueFull
+from proxy.fallback.engines.engine import Engine
+from proxy.fallback.engines.interface import (
     EngineClosed,
     GenerationFailed,
     GenerationSpec,
     LogitsProcessorFactory,
     TokenLogprob,
 )
-from proxy.fallback.parsing import (
-    check_prompt_size,
-    parse_chat,
-    parse_completion,
-    resolve_max_tokens,
-)
+from proxy.fallback.features.grammarlane import CompileTimeout, LaneFull
+from proxy.fallback.features.support import API_SUPPORT, ApiSupport
 from proxy.fallback.protocol import ChatRequest, CompletionRequest, Output, SamplingParams
-from proxy.fallback.shapes import ChatShape, ChoiceResult, CompletionShape, Shape, Usage
-from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, SIDE_ADMISSION, WORKERS
-from proxy.fallback.support import API_SUPPORT, ApiSupport
 from proxy.openai.headers import SSE_HEADERS
 
 log = structlog.get_logger("brownout.fallback.http")

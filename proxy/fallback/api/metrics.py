@@ -21,9 +21,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.fallback.admission import Admission
-from proxy.fallback.grammarlane import GrammarLane
-from proxy.fallback.interface import Load
+from proxy.fallback.engines.admission import Admission
+from proxy.fallback.engines.interface import Load
+from proxy.fallback.features.grammarlane import GrammarLane
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

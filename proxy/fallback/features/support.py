@@ -19,13 +19,13 @@ import torch
 from aiohttp import web
 from transformers import AutoConfig, AutoTokenizer, LogitsProcessor
 
-from proxy.fallback.errors import invalid, unsupported
-from proxy.fallback.grammarlane import LaneLimits
-from proxy.fallback.interface import LogitsProcessorFactory
+from proxy.fallback.api.errors import invalid, unsupported
+from proxy.fallback.engines.interface import LogitsProcessorFactory
+from proxy.fallback.features.grammarlane import LaneLimits
 from proxy.fallback.protocol import Message, Output, Tool
 
 if TYPE_CHECKING:
-    from proxy.fallback.structured import Structured
+    from proxy.fallback.features.structured import Structured
 
 log = structlog.get_logger("brownout.fallback.support")
 
@@ -108,7 +108,7 @@ class TokenTable:
 
 def _load_structured(tokenizer: Any, vocab_size: int, limits: LaneLimits) -> Structured | None:
     try:
-        from proxy.fallback.structured import Structured
+        from proxy.fallback.features.structured import Structured
     except ImportError:  # xgrammar is optional: without it, no constrained output
         log.warning("structured_output_unavailable", reason="xgrammar is not installed")
         return None

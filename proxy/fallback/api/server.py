@@ -22,13 +22,9 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from proxy.fallback import capacity, handlers
-from proxy.fallback.admission import Admission
-from proxy.fallback.engine import Engine, ModelLoadError
-from proxy.fallback.grammarlane import LaneLimits
-from proxy.fallback.interface import GenerationEngine
-from proxy.fallback.metrics import FallbackMetrics
-from proxy.fallback.state import (
+from proxy.fallback.api import handlers
+from proxy.fallback.api.metrics import FallbackMetrics
+from proxy.fallback.api.state import (
     ADMISSION,
     ENGINE,
     METRICS,
@@ -37,8 +33,13 @@ from proxy.fallback.state import (
     WORKERS,
     Settings,
 )
-from proxy.fallback.support import API_SUPPORT, ApiSupport
-from proxy.fallback.workers import ThreadEngine
+from proxy.fallback.engines import capacity
+from proxy.fallback.engines.admission import Admission
+from proxy.fallback.engines.engine import Engine, ModelLoadError
+from proxy.fallback.engines.interface import GenerationEngine
+from proxy.fallback.engines.workers import ThreadEngine
+from proxy.fallback.features.grammarlane import LaneLimits
+from proxy.fallback.features.support import API_SUPPORT, ApiSupport
 from proxy.telemetry.logs import configure_logging
 
 log = structlog.get_logger("brownout.fallback")
@@ -178,7 +179,7 @@ def build_generator(args: argparse.Namespace, engine: Engine) -> tuple[Settings,
     settings = settings_from_args(args, engine, planned.max_running)
     generator: GenerationEngine
     if kind == "batched":
-        from proxy.fallback.batched import BatchedEngine  # imports the library's CB code
+        from proxy.fallback.engines.batched import BatchedEngine  # imports the library's CB code
 
         generator = BatchedEngine(
             engine,

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from proxy.fallback.interface import (
+from proxy.fallback.api.metrics import FallbackMetrics
+from proxy.fallback.engines.interface import (
     Delta,
     Finished,
     Generation,
@@ -23,9 +24,8 @@ from proxy.fallback.interface import (
     GenerationSpec,
     TokenLogprob,
 )
-from proxy.fallback.metrics import FallbackMetrics
+from proxy.fallback.features.tools import ToolCallSplitter
 from proxy.fallback.protocol import FinishReason, ToolCall, ToolUse
-from proxy.fallback.tools import ToolCallSplitter
 
 
 @dataclass(frozen=True)
