@@ -349,7 +349,7 @@ def run_generate_batch(
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from proxy.fallback import capacity
+    from proxy.fallback.engines import capacity
 
     started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

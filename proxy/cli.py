@@ -66,7 +66,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_fallback_server(args: argparse.Namespace) -> int:
-    from proxy.fallback.server import main as fallback_main
+    from proxy.fallback.api.server import main as fallback_main
 
     return fallback_main(args)
 
@@ -260,6 +260,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="context window in tokens (default: the model's max_position_embeddings)",
+    )
+    fb.add_argument(
+        "--grammar-workers",
+        metavar="N",
+        type=int,
+        default=2,
+        help="threads compiling response_format / forced tool call grammars (xgrammar)",
+    )
+    fb.add_argument(
+        "--grammar-queue",
+        metavar="N",
+        type=int,
+        default=8,
+        help="requests waiting for a grammar thread before a 503 with Retry-After",
+    )
+    fb.add_argument(
+        "--grammar-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=5.0,
+        help="longest a request waits for its grammar (in line and compiling), then a 503 "
+        "with Retry-After; the compile goes on and is cached",
     )
     fb.set_defaults(func=_cmd_fallback_server)
 

@@ -1,22 +1,21 @@
 """The Transformers OpenAI-compatible fallback server (`brownout fallback-server`).
 
-Modules, one concern each:
+Three sub-packages, one layer each, and the request types they share:
 
-- `protocol`   — the request dataclasses (what parsing produces)
-- `reading`    — typed reads from request JSON with OpenAI-style errors
-- `parsing`    — request validation into those dataclasses (400 naming the field)
-- `fields`     — every request field: honoured / ignored / rejected; capabilities
-- `tools`      — tools/tool_choice in, Hermes <tool_call> blocks out as tool_calls
-- `structured` — xgrammar: response_format json_* and forced tool calls
-- `support`    — chat template with tools, logit_bias, token table (per server)
-- `shapes`     — response rendering (choices with index, logprobs, tool calls)
-- `generate`   — the chat/completions flow; `choices` — n choices in one slot
-- `httpio`     — JSON in, SSE out, shared HTTP errors
-- `textstream` — incremental detokenization and stop-string matching (pure)
-- `engine`     — model loading and the blocking `generate()` call
-- `workers`    — worker threads bridged to asyncio; cancellation
-- `admission`  — bounded concurrency plus a bounded wait queue
-- `metrics`    — Prometheus metrics on a per-app registry
-- `handlers`   — small endpoints and the error middleware
-- `server`     — app factory and `main`
+- `protocol`   — the request dataclasses (what parsing produces, what engines read)
+- `api/`       — the HTTP API: `server` (app factory, `main`), `handlers` (small
+  endpoints, error middleware), `generate` (the chat/completions flow),
+  `choices` (n choices in one slot), `httpio` (JSON in, SSE out), `reading`
+  and `parsing` (request validation, 400 naming the field), `fields`
+  (honoured / ignored / rejected fields), `shapes` (answers), `errors`,
+  `state` (settings, app keys), `metrics`
+- `engines/`   — generation: `interface` (what the API submits), `engine`
+  (model loading, blocking `generate()`), `workers` (threads engine),
+  `batched` (continuous batching) and `cbsampler` (its seeded sampling),
+  `capacity` (sizing), `admission` (slots and queue), `tokentext` and
+  `textstream` (detokenization, stop strings)
+- `features/`  — what the API adds to generation: `structured` (xgrammar),
+  `grammarlane` (the bounded compile lane), `schemalimits`, `tools`
+  (tool_choice in, `<tool_call>` blocks out), `support` (chat template,
+  logit_bias, penalties, token table)
 """

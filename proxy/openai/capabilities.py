@@ -2,7 +2,7 @@
 
 Built once per backend, at discovery (`/v1/models`: the fallback server
 advertises a `capabilities` object per model, see
-`proxy.fallback.fields.advertise`), never per request. `None` stands for "the
+`proxy.fallback.api.fields.advertise`), never per request. `None` stands for "the
 whole OpenAI API" (vLLM and OpenAI-compatible backends that advertise
 nothing): requests to them are not checked at all.
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from proxy.fallback.admission import Admission, QueueFull
+from proxy.fallback.engines.admission import Admission, QueueFull
 
 
 async def test_slots_then_queue_then_full() -> None:

@@ -9,10 +9,7 @@ serves what continuous batching cannot (logprobs, grammars, penalties, ...).
 
 from __future__ import annotations
 
-import http.client
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -328,6 +325,66 @@ def test_required_tool_call_streamed(server: FallbackServer, client: openai.Open
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == ""
 
 
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _forced_call(
+    server: FallbackServer, client: openai.OpenAI, max_tokens: int, *, stream: bool
+) -> tuple[str | None, str, str, str, str]:
+    """(finish_reason, content, call id, name, arguments) of a forced call of get_weather."""
+    kwargs: Any = dict(max_tokens=max_tokens, seed=3, tools=[WEATHER], tool_choice=FORCED)
+    if stream:
+        chunks = list(_chat(client, server, stream=True, **kwargs))
+        deltas = [ch.delta for c in chunks for ch in c.choices]
+        (call,) = [tc for d in deltas for tc in d.tool_calls or []]
+        content = "".join(d.content or "" for d in deltas)
+        reason = chunks[-1].choices[0].finish_reason
+        function = call.function
+        return reason, content, call.id or "", function.name or "", function.arguments or ""
+    choice = _chat(client, server, **kwargs).choices[0]
+    (whole,) = choice.message.tool_calls
+    return (
+        choice.finish_reason,
+        choice.message.content or "",
+        whole.id,
+        whole.function.name,
+        whole.function.arguments,
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_call_cut_by_max_tokens_is_a_partial_call(
+    server: FallbackServer, client: openai.OpenAI, stream: bool
+) -> None:
+    """As vLLM: the call with the arguments written so far and finish_reason "length".
+    It came back as `<tool_call>` markup in `content` (8c097b4)."""
+    full = _chat(client, server, max_tokens=120, seed=3, tools=[WEATHER], tool_choice=FORCED)
+    whole = full.choices[0].message.tool_calls[0].function.arguments
+    # The longest limit that cuts into the arguments (the grammar's text is fixed).
+    for limit in range(full.usage.completion_tokens - 1, 0, -1):
+        reason, content, call_id, name, arguments = _forced_call(
+            server, client, limit, stream=stream
+        )
+        if arguments != whole:
+            break
+    assert reason == "length"
+    assert content == ""
+    assert call_id.startswith("call_")
+    assert name == "get_weather"
+    assert arguments and whole.startswith(arguments) and arguments != whole, (arguments, whole)
+
+
+def test_a_required_tool_call_cut_before_the_name_has_no_markup(
+    server: FallbackServer, client: openai.OpenAI
+) -> None:
+    completion = _chat(
+        client, server, max_tokens=1, seed=4, tools=[WEATHER, TIME], tool_choice="required"
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length"
+    assert "<tool" not in (choice.message.content or "")
+
+
 def test_tools_are_rendered_into_the_prompt(server: FallbackServer, client: openai.OpenAI) -> None:
     plain = _chat(client, server, max_tokens=2)
     with_tools = _chat(client, server, max_tokens=2, tools=[WEATHER], tool_choice="auto")
@@ -420,47 +477,6 @@ def test_completions_honour_n_and_response_format(server: FallbackServer) -> Non
     assert [c["index"] for c in body["choices"]] == [0, 1]
     for choice in body["choices"]:
         assert json.loads(choice["text"]) in ({"answer": "yes"}, {"answer": "no"})
-
-
-def test_a_slow_schema_compile_does_not_hold_up_other_requests(server: FallbackServer) -> None:
-    """A deeply nested schema takes xgrammar seconds to compile (to a 400 here: its
-    innermost type is bad). It compiled on the one tokenizer thread, so every other
-    request, plain ones included, waited behind it (13.7 s at depth 480 on CPU)."""
-    depth = 300
-    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"nonsense"}' + "}}" * depth
-    body = (
-        '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"response_format":'
-        '{"type":"json_schema","json_schema":{"name":"deep","schema":' + schema + "}}}"
-    )
-    slow: dict[str, Any] = {}
-
-    def compile_slowly() -> None:
-        started = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-        try:
-            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            slow["status"], slow["body"] = response.status, response.read()
-        finally:
-            conn.close()
-        slow["seconds"] = time.monotonic() - started
-
-    thread = threading.Thread(target=compile_slowly)
-    thread.start()
-    latencies = []
-    while thread.is_alive():
-        started = time.monotonic()
-        status, answer = server.post(
-            "/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "temperature": 0}
-        )
-        assert status == 200, answer
-        latencies.append(time.monotonic() - started)
-    thread.join()
-    assert slow["status"] == 400, slow
-    assert b"response_format" in slow["body"]
-    # Plain requests kept being served while the schema compiled.
-    assert len(latencies) >= 3, (latencies, slow["seconds"])
-    assert max(latencies) < slow["seconds"] / 3, (latencies, slow["seconds"])
 
 
 def test_stop_token_ids_still_stop_with_ignore_eos(server: FallbackServer) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from proxy.fallback import capacity, cbsampler
+from proxy.fallback.engines import capacity, cbsampler
 
 GIB = 1024**3
 

@@ -17,13 +17,13 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-import proxy.fallback.server as server_module
-from proxy.fallback.batched import BatchedEngine
-from proxy.fallback.engine import Engine
-from proxy.fallback.interface import Finished, GenerationFailed, GenerationSpec
+import proxy.fallback.api.server as server_module
+from proxy.fallback.api.server import create_app, serve
+from proxy.fallback.api.state import Settings
+from proxy.fallback.engines.batched import BatchedEngine
+from proxy.fallback.engines.engine import Engine
+from proxy.fallback.engines.interface import Finished, GenerationFailed, GenerationSpec
 from proxy.fallback.protocol import SamplingParams
-from proxy.fallback.server import create_app, serve
-from proxy.fallback.state import Settings
 from tests.harness.procs import free_port
 
 

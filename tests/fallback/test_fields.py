@@ -10,9 +10,9 @@ import pytest
 from openai.resources.chat.completions import Completions as ChatCompletions
 from openai.resources.completions import Completions
 
-from proxy.fallback import fields
-from proxy.fallback.errors import APIError
-from proxy.fallback.interface import Capabilities
+from proxy.fallback.api import fields
+from proxy.fallback.api.errors import APIError
+from proxy.fallback.engines.interface import Capabilities
 from proxy.fallback.protocol import Output, ResponseFormat, SamplingParams, Tool, ToolUse
 
 SDK_ONLY = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
@@ -101,10 +101,11 @@ def test_an_engine_without_the_capability_refuses_the_field(
 def test_without_xgrammar_no_structured_output_is_advertised_or_accepted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from proxy.fallback import support
+    from proxy.fallback.features import support
+    from proxy.fallback.features.grammarlane import LaneLimits
 
-    monkeypatch.setitem(sys.modules, "proxy.fallback.structured", None)  # import fails
-    assert support._load_structured(object(), 10) is None
+    monkeypatch.setitem(sys.modules, "proxy.fallback.features.structured", None)  # import fails
+    assert support._load_structured(object(), 10, LaneLimits()) is None
     caps = fields.advertise(FULL, grammar=False)
     assert caps["response_format"] == ["text"]
     assert caps["tool_choice"] == ["none", "auto"]

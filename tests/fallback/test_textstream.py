@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.fallback.textstream import IncrementalDecoder, StopMatcher
+from proxy.fallback.engines.textstream import IncrementalDecoder, StopMatcher
 
 
 def _decode(ids: Sequence[int]) -> str:
@@ -70,7 +70,7 @@ def test_the_rust_decode_gives_the_wrappers_text(tiny_model_dir: Path) -> None:
     give exactly the wrapper's text for any ids, special tokens included."""
     from transformers import AutoTokenizer
 
-    from proxy.fallback.engine import _backend_decode
+    from proxy.fallback.engines.engine import _backend_decode
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     fast = _backend_decode(tokenizer)
@@ -84,7 +84,7 @@ def test_the_rust_decode_gives_the_wrappers_text(tiny_model_dir: Path) -> None:
 
 
 def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper() -> None:
-    from proxy.fallback.engine import _backend_decode
+    from proxy.fallback.engines.engine import _backend_decode
 
     class Tok:
         backend_tokenizer = object()

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from proxy.fallback.features.tools import ToolCallSplitter, parse_tool_calls
 from proxy.fallback.protocol import Tool, ToolUse
-from proxy.fallback.tools import ToolCallSplitter, parse_tool_calls
 
 USE = ToolUse(tools=(Tool("get_weather", None, None), Tool("get_time", None, None)), mode="auto")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

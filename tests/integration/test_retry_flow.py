@@ -502,8 +502,8 @@ async def test_drop_policy_names_what_it_dropped(
 async def test_advertised_capabilities_are_honoured(
     fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
-    from proxy.fallback.fields import advertise
-    from proxy.fallback.interface import Capabilities
+    from proxy.fallback.api.fields import advertise
+    from proxy.fallback.engines.interface import Capabilities
 
     caps = advertise(Capabilities("batched", True, True, 5, True, True, True), grammar=True)
 
@@ -544,8 +544,8 @@ async def test_capabilities_are_read_again_when_the_fallback_recovers(
     fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
     """A fallback replaced while it was down (now serving tools) is re-read."""
-    from proxy.fallback.fields import advertise
-    from proxy.fallback.interface import Capabilities
+    from proxy.fallback.api.fields import advertise
+    from proxy.fallback.engines.interface import Capabilities
 
     state = {"health": 200, "caps": False}
 

@@ -65,8 +65,8 @@ async def test_a_reload_keeps_what_was_learnt_of_the_same_fallback(
     the fallback advertises (tool requests in failover: 503
     unsupported_fields instead of its answer) and the retries already spent
     in the window (the budget started over)."""
-    from proxy.fallback.fields import advertise
-    from proxy.fallback.interface import Capabilities
+    from proxy.fallback.api.fields import advertise
+    from proxy.fallback.engines.interface import Capabilities
 
     caps = advertise(Capabilities("batched", True, True, 5, True, True, True), grammar=True)
 

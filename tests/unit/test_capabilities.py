@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.fallback.fields import advertise
-from proxy.fallback.interface import Capabilities as EngineCaps
+from proxy.fallback.api.fields import advertise
+from proxy.fallback.engines.interface import Capabilities as EngineCaps
 from proxy.openai.capabilities import PLAIN, from_model_card, without
 
 MSG = [{"role": "user", "content": "hi"}]

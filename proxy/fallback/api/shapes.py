@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from proxy.fallback.interface import TokenLogprob
+from proxy.fallback.engines.interface import TokenLogprob
 from proxy.fallback.protocol import FinishReason, ToolCall
 
 JSONObject = dict[str, Any]

@@ -1,12 +1,13 @@
 """Constrained decoding with xgrammar (vLLM's structured-output backend).
 
 `Structured` holds one model's xgrammar tokenizer info and grammar compiler;
-`processors(output)` compiles what a request asks for — `response_format`
-json_object / json_schema or a forced tool call — into factories
-of per-generation Transformers logits processors (`GenerationSpec.
-logits_processors`). Compiling runs on its own thread (`compile`), never on
-the event loop nor on the tokenizer thread: a deep schema can take seconds
-to compile, and plain requests must not wait behind it. A schema xgrammar
+`compile(output)` turns what a request asks for — `response_format`
+json_object / json_schema or a forced tool call — into factories of
+per-generation Transformers logits processors (`GenerationSpec.
+logits_processors`). Compiles go through the grammar lane (`grammarlane`:
+a bounded pool and line, a deadline, an LRU cache keyed by the schema's
+JSON), never on the event loop nor on the tokenizer thread. A schema over
+the static limits (`schemalimits`) was refused at parsing; one xgrammar
 cannot compile is the request's fault (400).
 
 A forced tool call (tool_choice "required" or a named function) is the
@@ -18,19 +19,18 @@ cannot wander off into endless blanks inside the JSON.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import xgrammar as xgr
 from xgrammar.contrib.hf import LogitsProcessor as GrammarProcessor
 
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.interface import LogitsProcessorFactory
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.engines.interface import LogitsProcessorFactory
+from proxy.fallback.features.grammarlane import GrammarLane, LaneLimits
+from proxy.fallback.features.tools import CLOSE, OPEN
 from proxy.fallback.protocol import Output, Tool, ToolUse
-from proxy.fallback.tools import CLOSE, OPEN
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
@@ -51,41 +51,61 @@ def tool_call_schema(tool_use: ToolUse) -> dict[str, Any]:
     return {"anyOf": [_call_schema(t) for t in tools]}
 
 
-_CACHE_BYTES = 64 * 1024 * 1024
+GrammarKind = Literal["json_object", "json_schema", "tool_call"]
+#: What is compiled: the kind and the schema's compact JSON text (the cache key).
+GrammarKey = tuple[GrammarKind, str]
+
+
+def grammar_key(output: Output) -> GrammarKey | None:
+    """The cache key of the grammar `output` needs; None for none."""
+    if output.tool_use.constrained:
+        return "tool_call", json.dumps(tool_call_schema(output.tool_use), separators=(",", ":"))
+    fmt = output.response_format
+    if fmt.kind == "json_object":
+        return "json_object", ""
+    if fmt.kind == "json_schema":
+        return "json_schema", fmt.schema or "{}"
+    return None
 
 
 class Structured:
     """xgrammar for one model's vocabulary."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, limits: LaneLimits | None = None) -> None:
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        # Compiled grammars are cached by schema; bounded, as clients may send many.
-        self._compiler = xgr.GrammarCompiler(
-            self._info, max_threads=1, cache_limit_bytes=_CACHE_BYTES
-        )
+        # The lane caches compiled grammars; xgrammar's own cache would only double them.
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
         #: Each token id's raw bytes (what OpenAI's logprobs `bytes` are).
         self.token_bytes: tuple[bytes, ...] = tuple(self._info.decoded_vocab)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.lane: GrammarLane[GrammarKey, xgr.CompiledGrammar] = GrammarLane(
+            self._grammar, limits or LaneLimits()
+        )
 
     async def compile(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
-        """`processors(output)` on the grammar thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.processors, output)
+        """The grammar processor `output` needs, if any, through the lane.
+
+        Raises `LaneFull` / `CompileTimeout` (load: 503) or a 400 `APIError`.
+        """
+        key = grammar_key(output)
+        if key is None:
+            return ()
+        grammar = await self.lane.get(key)
+        return (partial(GrammarProcessor, grammar),)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.lane.shutdown()
 
-    # --- compiling (grammar thread) --------------------------------------------------------
+    # --- compiling (a grammar thread) ------------------------------------------------------
 
     def processors(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
-        """The grammar processor the output needs, if any (compiled now)."""
-        grammar = self._grammar(output)
-        return () if grammar is None else (partial(GrammarProcessor, grammar),)
+        """The grammar processor the output needs, if any, compiled now on this thread."""
+        key = grammar_key(output)
+        return () if key is None else (partial(GrammarProcessor, self._grammar(key)),)
 
-    def _grammar(self, output: Output) -> xgr.CompiledGrammar | None:
-        if output.tool_use.constrained:
-            schema = json.dumps(tool_call_schema(output.tool_use))
+    def _grammar(self, key: GrammarKey) -> xgr.CompiledGrammar:
+        kind, schema = key
+        if kind == "tool_call":
             try:
                 return self._compiler.compile_grammar(
                     xgr.Grammar.concat(
@@ -96,18 +116,15 @@ class Structured:
                 )
             except RuntimeError as exc:
                 raise _schema_error("tools", exc) from exc
-        fmt = output.response_format
-        if fmt.kind == "json_object":
+        if kind == "json_object":
             # OpenAI's JSON mode answers an object, not any JSON value.
             return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if fmt.kind == "json_schema":
-            try:
-                return self._compiler.compile_json_schema(
-                    fmt.schema or "{}", any_whitespace=False, strict_mode=True
-                )
-            except RuntimeError as exc:
-                raise _schema_error("response_format", exc) from exc
-        return None
+        try:
+            return self._compiler.compile_json_schema(
+                schema, any_whitespace=False, strict_mode=True
+            )
+        except RuntimeError as exc:
+            raise _schema_error("response_format", exc) from exc
 
 
 def _literal(text: str) -> xgr.Grammar:

@@ -15,9 +15,9 @@ import json
 import re
 import uuid
 
-from proxy.fallback.errors import invalid, unsupported
+from proxy.fallback.api.errors import invalid, unsupported
+from proxy.fallback.api.reading import Body, json_text, wrong_type
 from proxy.fallback.protocol import Tool, ToolCall, ToolChoiceMode, ToolUse
-from proxy.fallback.reading import Body, json_text, wrong_type
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -146,6 +146,35 @@ def parse_tool_calls(text: str, tool_use: ToolUse) -> tuple[str | None, tuple[To
     return (content or None), tuple(calls)
 
 
+_NAME_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"]*)(")?')
+_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
+
+
+def partial_call(text: str, tool_use: ToolUse) -> ToolCall | None:
+    """The forced call `max_tokens` cut short: its name and the arguments so far.
+
+    What vLLM answers for a forced call cut by the limit (`finish_reason:
+    "length"`): a tool call whose `arguments` is the JSON written so far, not
+    the `<tool_call>` markup as content. None when not even the function's name
+    is known (tool_choice "required" cut before the name was written).
+    """
+    start = text.find(OPEN)
+    body = text[start + len(OPEN) :] if start >= 0 else ""
+    name = tool_use.forced
+    match = _NAME_SO_FAR.match(body)
+    if name is None and match is not None:
+        names = [t.name for t in tool_use.tools]
+        written = match.group(1)
+        if match.group(2) and written in names:
+            name = written
+        elif len(started := [n for n in names if n.startswith(written)]) == 1:
+            name = started[0]
+    if name is None:
+        return None
+    arguments = _ARGUMENTS.search(body)
+    return ToolCall(new_call_id(), name, body[arguments.end() :] if arguments else "")
+
+
 class ToolCallSplitter:
     """Streams content up to the first `<tool_call>` and holds back everything after."""
 
@@ -172,8 +201,21 @@ class ToolCallSplitter:
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]
 
-    def finish(self, tool_use: ToolUse) -> tuple[str, tuple[ToolCall, ...], str | None]:
-        """(content still to send, calls, the whole answer's content): held text, parsed."""
+    def finish(
+        self, tool_use: ToolUse, *, cut: bool = False
+    ) -> tuple[str, tuple[ToolCall, ...], str | None]:
+        """(content still to send, calls, the whole answer's content): held text, parsed.
+
+        `cut`: the output ended on `max_tokens`. A forced call cut short comes back
+        as that call with its partial arguments (`partial_call`), never as markup.
+        """
+        if cut and tool_use.constrained:
+            content, calls = parse_tool_calls(self.text, tool_use) if self._in_call else (None, ())
+            if calls:
+                return "", calls, content
+            self._held = ""
+            call = partial_call(self.text, tool_use)
+            return "", (() if call is None else (call,)), None
         if not self._in_call:
             held, self._held = self._held, ""
             return held, (), None

@@ -15,16 +15,16 @@ import jinja2
 import structlog
 from aiohttp import web
 
-from proxy.fallback.engine import Engine
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.fields import advertise
-from proxy.fallback.generate import chat_completions, completions
-from proxy.fallback.httpio import check_model, read_json
-from proxy.fallback.metrics import CONTENT_TYPE
-from proxy.fallback.parsing import parse_tokenize
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.api.fields import advertise
+from proxy.fallback.api.generate import chat_completions, completions
+from proxy.fallback.api.httpio import check_model, read_json
+from proxy.fallback.api.metrics import CONTENT_TYPE
+from proxy.fallback.api.parsing import check_prompt_size, parse_tokenize
+from proxy.fallback.api.state import ENGINE, METRICS, SETTINGS, WORKERS
+from proxy.fallback.engines.engine import Engine
+from proxy.fallback.features.support import API_SUPPORT, ApiSupport
 from proxy.fallback.protocol import TokenizeRequest
-from proxy.fallback.state import ENGINE, METRICS, SETTINGS, WORKERS
-from proxy.fallback.support import API_SUPPORT, ApiSupport
 
 __all__ = [
     "chat_completions",
@@ -98,6 +98,8 @@ async def tokenize(request: web.Request) -> web.Response:
     app = request.app
     settings = app[SETTINGS]
     check_model(req.model, settings)
+    # A prompt that cannot fit the context is refused without tokenizing it.
+    check_prompt_size(req, settings.max_model_len, app[API_SUPPORT].max_token_chars)
     ids = await app[WORKERS].tokenize(partial(_tokenize_ids, app[ENGINE], app[API_SUPPORT], req))
     return web.json_response(
         {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids}

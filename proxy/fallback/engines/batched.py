@@ -59,9 +59,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from proxy.fallback import cbsampler
-from proxy.fallback.engine import MAX_TOP_LOGPROBS, Engine
-from proxy.fallback.interface import (
+from proxy.fallback.engines import cbsampler
+from proxy.fallback.engines.engine import MAX_TOP_LOGPROBS, Engine
+from proxy.fallback.engines.interface import (
     Capabilities,
     Delta,
     EngineClosed,
@@ -73,8 +73,8 @@ from proxy.fallback.interface import (
     Observer,
     Outcome,
 )
-from proxy.fallback.tokentext import TokenText
-from proxy.fallback.workers import ThreadEngine, TokenizerPool
+from proxy.fallback.engines.tokentext import TokenText
+from proxy.fallback.engines.workers import ThreadEngine, TokenizerPool
 
 log = structlog.get_logger("brownout.fallback.batched")
 

@@ -8,10 +8,10 @@ import re
 import orjson
 from aiohttp import web
 
-from proxy.fallback.admission import Admission
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.shapes import JSONObject
-from proxy.fallback.state import ADMISSION, SETTINGS, SIDE_ADMISSION, Settings
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.api.shapes import JSONObject
+from proxy.fallback.api.state import ADMISSION, SETTINGS, SIDE_ADMISSION, Settings
+from proxy.fallback.engines.admission import Admission
 from proxy.openai.errors import error_body
 
 # A UTF-16 surrogate can only reach a parsed string through a \uD800-\uDFFF escape.
@@ -99,6 +99,27 @@ def overloaded(app: web.Application, admission: Admission | None = None) -> APIE
         "waiting); please retry later.",
         type_="server_error",
         code="overloaded",
+        headers={"Retry-After": str(settings.retry_after_s)},
+    )
+
+
+def grammar_busy(app: web.Application, *, timed_out: bool) -> APIError:
+    """503 + Retry-After: the grammar lane is full, or the grammar missed its deadline
+    (the compile goes on and is cached: a retry may find it ready). Load, not a fault."""
+    settings = app[SETTINGS]
+    if timed_out:
+        message = (
+            f"The response_format / tools grammar was not compiled within "
+            f"{settings.grammar.timeout_s:g} s; its compile goes on and is cached, please "
+            "retry later."
+        )
+    else:
+        message = "Every grammar compile worker is busy; please retry later."
+    return APIError(
+        503,
+        message,
+        type_="server_error",
+        code="grammar_timeout" if timed_out else "overloaded",
         headers={"Retry-After": str(settings.retry_after_s)},
     )
 

@@ -7,8 +7,11 @@ engine in use can do is checked later (`fields.check_capabilities`).
 
 from __future__ import annotations
 
-from proxy.fallback.errors import APIError, invalid, unsupported
-from proxy.fallback.fields import MAX_N, Endpoint, check_fields
+from proxy.fallback.api.errors import APIError, invalid, unsupported
+from proxy.fallback.api.fields import MAX_N, Endpoint, check_fields
+from proxy.fallback.api.reading import Body, json_text, require_object, wrong_type
+from proxy.fallback.features.schemalimits import check_schema
+from proxy.fallback.features.tools import parse_tool_use, parse_tools
 from proxy.fallback.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -19,8 +22,6 @@ from proxy.fallback.protocol import (
     TokenizeRequest,
     ToolCall,
 )
-from proxy.fallback.reading import Body, json_text, require_object, wrong_type
-from proxy.fallback.tools import parse_tool_use, parse_tools
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -36,6 +37,16 @@ _MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the engine may allow fewer
 # batched engine: 100,000 of them (a 1.6 MB body) stalled every stream for 5 s.
 # OpenAI takes 4.
 MAX_STOPS = 64
+# Upper bounds where neither OpenAI nor vLLM set one and a huge value breaks the
+# numbers: a temperature or repetition_penalty of 1e300 is inf in float32, and a
+# logit divided by (or multiplied with) inf is nan, or 0 * inf. Past 100 the
+# temperature samples uniformly anyway; a penalty of 100 already bans a token.
+MAX_TEMPERATURE = 100.0
+# repetition_penalty: Transformers divides positive logits by it, so 1e-300 made
+# them inf and sampling failed on nan ("probability tensor contains either inf,
+# nan or element < 0": a 500). 0.01 multiplies them by 100 at most.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 # vLLM's `_SAMPLING_EPS`: a lower temperature is greedy. Dividing the logits by a
 # temperature that rounds to 0 in float32 makes them inf/nan, which kills the
 # batched engine's loop (every later request a 503) and fails the threads engine.
@@ -75,11 +86,15 @@ def _parse_sampling(b: Body) -> SamplingParams:
     max_tokens = b.int_("max_completion_tokens", min_value=1)
     if max_tokens is None:
         max_tokens = b.int_("max_tokens", min_value=1)
-    temperature = b.float_("temperature", min_value=0.0)
+    temperature = b.float_("temperature", min_value=0.0, max_value=MAX_TEMPERATURE)
     top_p = b.float_("top_p", min_value=0.0, max_value=1.0, exclusive_min=True)
     top_k = b.int_("top_k", min_value=-1)
     min_tokens = b.int_("min_tokens", min_value=0)
-    penalty = b.float_("repetition_penalty", min_value=0.0, exclusive_min=True)
+    penalty = b.float_(
+        "repetition_penalty",
+        min_value=MIN_REPETITION_PENALTY,
+        max_value=MAX_REPETITION_PENALTY,
+    )
     stop_ids = b.raw("stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
@@ -159,7 +174,9 @@ def _parse_response_format(b: Body) -> ResponseFormat:
     if not isinstance(schema, dict):
         raise wrong_type("response_format.json_schema.schema", "an object", schema)
     strict = spec.get("strict")
-    return ResponseFormat("json_schema", json_text(schema), strict is True)
+    text = json_text(schema)
+    check_schema(text, "response_format")
+    return ResponseFormat("json_schema", text, strict is True)
 
 
 def _parse_logit_bias(b: Body) -> tuple[tuple[int, float], ...]:
@@ -193,6 +210,9 @@ def _parse_output(b: Body, endpoint: Endpoint) -> Output:
     )
     if output.tool_use.constrained and output.response_format.kind != "text":
         raise invalid("A forced tool call and 'response_format' cannot be combined.", "tool_choice")
+    if output.tool_use.constrained:  # the tools' parameters become one grammar
+        schemas = [t.parameters or "{}" for t in output.tool_use.tools]
+        check_schema("[" + ",".join(schemas) + "]", "tools")
     return output
 
 
@@ -386,16 +406,61 @@ def parse_tokenize(data: object) -> TokenizeRequest:
     )
 
 
-def context_length_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> APIError:
+def context_length_error(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "messages"
+) -> APIError:
     return APIError(
         400,
         f"This model's maximum context length is {max_model_len} tokens. However, you "
         f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
         f"{max_tokens} in the completion). Please reduce the length of the messages or "
         "completion.",
-        param="messages",
+        param=param,
         code="context_length_exceeded",
     )
+
+
+def prompt_chars(req: ChatRequest | CompletionRequest | TokenizeRequest) -> int:
+    """Characters of the prompt's own text (what the template adds comes on top)."""
+    if isinstance(req, CompletionRequest):
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    if isinstance(req, TokenizeRequest) and req.messages is None:
+        return len(req.prompt or "")
+    total = 0
+    for message in req.messages or ():
+        total += len(message.content)
+        total += sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
+    return total
+
+
+def check_prompt_size(
+    req: ChatRequest | CompletionRequest | TokenizeRequest, max_model_len: int, max_token_chars: int
+) -> None:
+    """`context_length_exceeded` before any tokenizing, for a prompt that cannot fit.
+
+    No token covers more than `max_token_chars` characters (the vocabulary's
+    longest token), so a prompt of more than `max_model_len * max_token_chars`
+    characters is more than `max_model_len` tokens: refusing it costs a length,
+    where tokenizing it cost seconds of the one tokenizer thread (three 15 MB
+    prompts held a plain request 58 s). Token-id prompts are counted as such.
+    """
+    param = "prompt" if isinstance(req, CompletionRequest) or req.messages is None else "messages"
+    if isinstance(req, CompletionRequest) and not isinstance(req.prompt, str):
+        if len(req.prompt) > max_model_len:
+            raise context_length_error(len(req.prompt), 0, max_model_len, param)
+        return
+    chars = prompt_chars(req)
+    limit = max_model_len * max(max_token_chars, 1)
+    if chars > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{param} hold {chars} characters, more than {max_model_len} tokens can hold "
+            f"(no token is longer than {max_token_chars} characters). Please reduce the "
+            f"length of the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def resolve_max_tokens(prompt_tokens: int, requested: int | None, max_model_len: int) -> int:

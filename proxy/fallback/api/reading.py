@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.fallback.errors import APIError, invalid
+from proxy.fallback.api.errors import APIError, invalid
 
 
 def json_type(value: object) -> str:
@@ -92,7 +92,10 @@ class Body:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise wrong_type(name, "a number", value)
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past 1.8e308 (was a 500)
+            number = math.inf if value > 0 else -math.inf
         if not math.isfinite(number):
             # Python's JSON reads NaN and Infinity; either makes the logits nan, which
             # ended the batched engine's generation loop (vLLM refuses them too).

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from proxy.fallback.interface import Delta, TokenLogprob
-from proxy.fallback.textstream import IncrementalDecoder, StopMatcher
+from proxy.fallback.engines.interface import Delta, TokenLogprob
+from proxy.fallback.engines.textstream import IncrementalDecoder, StopMatcher
 
 
 class TokenText:

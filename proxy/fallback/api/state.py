@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.fallback.admission import Admission
-from proxy.fallback.engine import Engine
-from proxy.fallback.interface import GenerationEngine
-from proxy.fallback.metrics import FallbackMetrics
+from proxy.fallback.api.metrics import FallbackMetrics
+from proxy.fallback.engines.admission import Admission
+from proxy.fallback.engines.engine import Engine
+from proxy.fallback.engines.interface import GenerationEngine
+from proxy.fallback.features.grammarlane import LaneLimits
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class Settings:
     keepalive_s: float = 15.0
     # Retry-After on 503; a slot typically frees within a generation or two.
     retry_after_s: int = 1
+    # The grammar-compile lane: threads, line, deadline, cache (see `grammarlane`).
+    grammar: LaneLimits = field(default_factory=LaneLimits)
 
 
 SETTINGS = web.AppKey("settings", Settings)

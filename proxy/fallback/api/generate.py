@@ -1,10 +1,17 @@
 """The generation endpoints: /v1/chat/completions and /v1/completions.
 
 A request goes: parse and classify every field (400) → model check (404) →
-engine capabilities (400 naming the field) → capacity fast-path (503) →
-prompt ids on the tokenizer thread (400 for a bad template) → the grammar
-on its own thread (400 for a bad schema) → context check (400) → admission
-(503, or wait in line) → the engine → stream or collect.
+engine capabilities (400 naming the field) → the prompt's length against the
+context window (400 `context_length_exceeded`, before any tokenizing) →
+capacity fast-path (503) → the grammar from the grammar lane (400 for a bad
+schema, 503 + Retry-After when the lane is full or past its deadline) →
+admission (503, or wait in line) → prompt ids on the tokenizer thread, under
+the slot (400 for a bad template) → context check (400) → the engine →
+stream or collect.
+
+Tokenizing under the slot bounds how many prompts wait for the tokenizer
+thread to the slots, so a plain request is never queued behind any number of
+long prompts in front of it.
 
 `n` choices run one after another inside one admission slot (so `n` never
 needs more slots than the server has), each with `seed + index`. Once an SSE
@@ -25,35 +32,45 @@ import jinja2
 import structlog
 from aiohttp import web
 
-from proxy.fallback.admission import QueueFull
-from proxy.fallback.choices import ChoiceOutput, Choices
-from proxy.fallback.engine import Engine
-from proxy.fallback.errors import APIError, invalid
-from proxy.fallback.fields import check_capabilities
-from proxy.fallback.httpio import (
+from proxy.fallback.api.choices import ChoiceOutput, Choices
+from proxy.fallback.api.errors import APIError, invalid
+from proxy.fallback.api.fields import check_capabilities
+from proxy.fallback.api.httpio import (
     check_capacity,
     check_model,
+    grammar_busy,
     overloaded,
     read_json,
     send,
     send_error,
     shutting_down,
 )
-from proxy.fallback.interface import (
+from proxy.fallback.api.parsing import (
+    check_prompt_size,
+    parse_chat,
+    parse_completion,
+    resolve_max_tokens,
+)
+from proxy.fallback.api.shapes import ChatShape, ChoiceResult, CompletionShape, Shape, Usage
+from proxy.fallback.api.state import ADMISSION, ENGINE, METRICS, SETTINGS, SIDE_ADMISSION, WORKERS
+from proxy.fallback.engines.admission import QueueFull
+from proxy.fallback.engines.engine import Engine
+from proxy.fallback.engines.interface import (
     EngineClosed,
     GenerationFailed,
     GenerationSpec,
     LogitsProcessorFactory,
     TokenLogprob,
 )
-from proxy.fallback.parsing import parse_chat, parse_completion, resolve_max_tokens
+from proxy.fallback.features.grammarlane import CompileTimeout, LaneFull
+from proxy.fallback.features.support import API_SUPPORT, ApiSupport
 from proxy.fallback.protocol import ChatRequest, CompletionRequest, Output, SamplingParams
-from proxy.fallback.shapes import ChatShape, ChoiceResult, CompletionShape, Shape, Usage
-from proxy.fallback.state import ADMISSION, ENGINE, METRICS, SETTINGS, SIDE_ADMISSION, WORKERS
-from proxy.fallback.support import API_SUPPORT, ApiSupport
 from proxy.openai.headers import SSE_HEADERS
 
 log = structlog.get_logger("brownout.fallback.http")
+
+
+Prepare = Callable[[], tuple[list[int], tuple[LogitsProcessorFactory, ...]]]
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,10 @@ class _Job:
     stream: bool
     include_usage: bool
     arrived: float  # monotonic
+
+
+def _stand_in() -> None:
+    """A logits processor not made yet (made with the prompt ids): picks the lane."""
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -88,25 +109,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(
     request: web.Request,
     req: ChatRequest | CompletionRequest,
-    prepare: Callable[[], tuple[list[int], tuple[LogitsProcessorFactory, ...]]],
+    prepare: Prepare,
     shape: Shape,
     arrived: float,
 ) -> web.StreamResponse:
-    """What both endpoints share once the request is parsed: model and
-    capability checks, capacity, tokenizing off the loop, then the run."""
+    """What both endpoints share once the request is parsed: model, capability and
+    length checks, capacity, the grammar, then a slot, the prompt ids and the run."""
     app = request.app
-    check_model(req.model, app[SETTINGS])
+    settings = app[SETTINGS]
+    check_model(req.model, settings)
     caps = app[WORKERS].capabilities
     chat = isinstance(req, ChatRequest)
-    grammar = app[API_SUPPORT].grammar
-    check_capabilities(caps, req.sampling, req.output, chat=chat, grammar=grammar)
+    support = app[API_SUPPORT]
+    check_capabilities(caps, req.sampling, req.output, chat=chat, grammar=support.grammar)
+    check_prompt_size(req, settings.max_model_len, support.max_token_chars)
     check_capacity(app)
-    prompt_ids, processors = await app[WORKERS].tokenize(prepare)
-    processors += await app[API_SUPPORT].compile_grammar(req.output)
-    job = _Job(
-        prompt_ids, req.sampling, req.output, processors, req.stream, req.include_usage, arrived
-    )
-    return await _run(request, shape, job)
+    try:
+        grammar = await support.compile_grammar(req.output)
+    except LaneFull:
+        raise grammar_busy(app, timed_out=False) from None
+    except CompileTimeout:
+        raise grammar_busy(app, timed_out=True) from None
+    return await _run(request, shape, req, prepare, grammar, arrived)
 
 
 def _specs(job: _Job, max_tokens: int) -> list[GenerationSpec]:
@@ -120,26 +144,49 @@ def _specs(job: _Job, max_tokens: int) -> list[GenerationSpec]:
     return [replace(base, seed_offset=i) for i in range(job.output.n)]
 
 
-async def _run(request: web.Request, shape: Shape, job: _Job) -> web.StreamResponse:
+async def _run(
+    request: web.Request,
+    shape: Shape,
+    req: ChatRequest | CompletionRequest,
+    prepare: Prepare,
+    grammar: tuple[LogitsProcessorFactory, ...],
+    arrived: float,
+) -> web.StreamResponse:
     app = request.app
     settings, metrics, workers = app[SETTINGS], app[METRICS], app[WORKERS]
-    max_tokens = resolve_max_tokens(
-        len(job.prompt_ids), job.sampling.max_tokens, settings.max_model_len
-    )
-    specs = _specs(job, max_tokens)
+    # Which lane depends on the fields only, not on the prompt: decided before tokenizing.
+    needs = grammar or ((_stand_in,) if req.output.needs_logits_processors else ())
+    probe = GenerationSpec((), req.sampling, 1, req.output.logprobs, needs)
     # A request for the side lane waits for a side-lane slot, never in the
     # batch's queue (where it would hold a slot the batch could use).
     side = app.get(SIDE_ADMISSION)
-    admission = side if side is not None and workers.in_side_lane(specs[0]) else app[ADMISSION]
+    admission = side if side is not None and workers.in_side_lane(probe) else app[ADMISSION]
     queued = time.monotonic()
     try:
         await admission.acquire()
     except QueueFull:
         raise overloaded(app, admission) from None
     metrics.queue_time.observe(time.monotonic() - queued)
+    try:
+        prompt_ids, processors = await workers.tokenize(prepare)
+        job = _Job(
+            prompt_ids,
+            req.sampling,
+            req.output,
+            processors + grammar,
+            req.stream,
+            req.include_usage,
+            arrived,
+        )
+        max_tokens = resolve_max_tokens(
+            len(job.prompt_ids), job.sampling.max_tokens, settings.max_model_len
+        )
+    except BaseException:
+        admission.release()  # a 400 (template, context) or the client gone while tokenizing
+        raise
     choices = Choices(
         workers,
-        specs,
+        _specs(job, max_tokens),
         metrics,
         job.arrived,
         release=admission.release,

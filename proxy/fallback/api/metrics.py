@@ -7,7 +7,8 @@ the fallback unchanged. HTTP outcomes have a brownout-prefixed counter.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -17,9 +18,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from proxy.fallback.admission import Admission
-from proxy.fallback.interface import Load
+from proxy.fallback.engines.admission import Admission
+from proxy.fallback.engines.interface import Load
+from proxy.fallback.features.grammarlane import GrammarLane
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -106,6 +110,10 @@ class FallbackMetrics:
             registry=r,
         )
 
+    def watch_grammar(self, lane: GrammarLane[Any, Any]) -> None:
+        """Export the grammar lane's counts (once, when the server has xgrammar)."""
+        self.registry.register(_GrammarCollector(lane))
+
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model_name, reason).inc()
 
@@ -114,3 +122,39 @@ class FallbackMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GrammarCollector(Collector):
+    """`brownout_fallback_grammar_*`: the grammar lane, read at scrape time."""
+
+    def __init__(self, lane: GrammarLane[Any, Any]) -> None:
+        self._lane = lane
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._lane.counts
+        outcomes = CounterMetricFamily(
+            "brownout_fallback_grammar_requests",
+            "Requests for a grammar by outcome: hit (from the cache), timeout (503), "
+            "shed (line full, 503), left (gone while in line: nothing compiled).",
+            labels=["outcome"],
+        )
+        done = {"hit": counts.hits, "timeout": counts.timeouts, "shed": counts.shed}
+        for outcome, value in (done | {"left": counts.left}).items():
+            outcomes.add_metric([outcome], value)
+        yield outcomes
+        compiles = CounterMetricFamily(
+            "brownout_fallback_grammar_compiles",
+            "Grammar compiles by result: started, compiled, failed (a bad schema).",
+            labels=["result"],
+        )
+        for name in ("started", "compiled", "failed"):
+            compiles.add_metric([name], getattr(counts, name))
+        yield compiles
+        lane = GaugeMetricFamily(
+            "brownout_fallback_grammar_lane",
+            "Grammar compiles running on their threads, and requests in line for one.",
+            labels=["state"],
+        )
+        lane.add_metric(["running"], self._lane.running)
+        lane.add_metric(["waiting"], self._lane.waiting)
+        yield lane

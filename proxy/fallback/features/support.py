@@ -19,12 +19,13 @@ import torch
 from aiohttp import web
 from transformers import AutoConfig, AutoTokenizer, LogitsProcessor
 
-from proxy.fallback.errors import invalid, unsupported
-from proxy.fallback.interface import LogitsProcessorFactory
+from proxy.fallback.api.errors import invalid, unsupported
+from proxy.fallback.engines.interface import LogitsProcessorFactory
+from proxy.fallback.features.grammarlane import LaneLimits
 from proxy.fallback.protocol import Message, Output, Tool
 
 if TYPE_CHECKING:
-    from proxy.fallback.structured import Structured
+    from proxy.fallback.features.structured import Structured
 
 log = structlog.get_logger("brownout.fallback.support")
 
@@ -105,13 +106,13 @@ class TokenTable:
         return text, text.encode()
 
 
-def _load_structured(tokenizer: Any, vocab_size: int) -> Structured | None:
+def _load_structured(tokenizer: Any, vocab_size: int, limits: LaneLimits) -> Structured | None:
     try:
-        from proxy.fallback.structured import Structured
+        from proxy.fallback.features.structured import Structured
     except ImportError:  # xgrammar is optional: without it, no constrained output
         log.warning("structured_output_unavailable", reason="xgrammar is not installed")
         return None
-    return Structured(tokenizer, vocab_size)
+    return Structured(tokenizer, vocab_size, limits)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ class ApiSupport:
     token_text: TokenTable
 
     vocab_size: int
+    #: Characters of the vocabulary's longest token (special ones included): no
+    #: token covers more of a prompt's text (`parsing.check_prompt_size`).
+    max_token_chars: int = 1
 
     @property
     def grammar(self) -> bool:
@@ -145,7 +149,9 @@ class ApiSupport:
         return tuple(factories)
 
     async def compile_grammar(self, output: Output) -> tuple[LogitsProcessorFactory, ...]:
-        """The grammar processor `output` needs (after the others), compiled off the loop."""
+        """The grammar processor `output` needs (after the others), from the grammar lane.
+
+        Raises the lane's `LaneFull` / `CompileTimeout` (the handler's 503s)."""
         if not output.needs_grammar:
             return ()
         if self.structured is None:
@@ -157,17 +163,30 @@ class ApiSupport:
             self.structured.shutdown()
 
     @classmethod
-    def load(cls, path: Path) -> ApiSupport:
-        """From the model directory (local files only); raises like `AutoTokenizer`."""
+    def load(cls, path: Path, grammar: LaneLimits | None = None) -> ApiSupport:
+        """From the model directory (local files only); raises like `AutoTokenizer`.
+
+        `grammar`: the grammar lane's bounds (default `LaneLimits()`)."""
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         # The logits can be wider than the tokenizer (padded embedding matrices).
         vocab_size = max(int(getattr(config, "vocab_size", 0) or 0), len(tokenizer))
-        structured = _load_structured(tokenizer, vocab_size)
+        structured = _load_structured(tokenizer, vocab_size, grammar or LaneLimits())
         token_bytes = structured.token_bytes if structured is not None else None
         return cls(
-            ChatTemplate(tokenizer), structured, TokenTable(tokenizer, token_bytes), vocab_size
+            ChatTemplate(tokenizer),
+            structured,
+            TokenTable(tokenizer, token_bytes),
+            vocab_size,
+            longest_token(tokenizer),
         )
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token's string has: byte-level BPE spells each byte as
+    one character, SentencePiece each character as one, so that bounds the prompt
+    characters a token can cover either way."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 API_SUPPORT = web.AppKey("api_support", ApiSupport)

@@ -22,12 +22,9 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from proxy.fallback import capacity, handlers
-from proxy.fallback.admission import Admission
-from proxy.fallback.engine import Engine, ModelLoadError
-from proxy.fallback.interface import GenerationEngine
-from proxy.fallback.metrics import FallbackMetrics
-from proxy.fallback.state import (
+from proxy.fallback.api import handlers
+from proxy.fallback.api.metrics import FallbackMetrics
+from proxy.fallback.api.state import (
     ADMISSION,
     ENGINE,
     METRICS,
@@ -36,8 +33,13 @@ from proxy.fallback.state import (
     WORKERS,
     Settings,
 )
-from proxy.fallback.support import API_SUPPORT, ApiSupport
-from proxy.fallback.workers import ThreadEngine
+from proxy.fallback.engines import capacity
+from proxy.fallback.engines.admission import Admission
+from proxy.fallback.engines.engine import Engine, ModelLoadError
+from proxy.fallback.engines.interface import GenerationEngine
+from proxy.fallback.engines.workers import ThreadEngine
+from proxy.fallback.features.grammarlane import LaneLimits
+from proxy.fallback.features.support import API_SUPPORT, ApiSupport
 from proxy.telemetry.logs import configure_logging
 
 log = structlog.get_logger("brownout.fallback")
@@ -68,7 +70,11 @@ def create_app(
         app[SIDE_ADMISSION] = side
     app[METRICS] = FallbackMetrics(settings.served_model_name, admission, generator.load, side=side)
     app[WORKERS] = generator
-    app[API_SUPPORT] = ApiSupport.load(engine.path)  # API helper: chat template + xgrammar
+    # API helper: chat template + xgrammar (its compile lane bounded by the settings)
+    app[API_SUPPORT] = ApiSupport.load(engine.path, settings.grammar)
+    structured = app[API_SUPPORT].structured
+    if structured is not None:
+        app[METRICS].watch_grammar(structured.lane)
     app.on_shutdown.append(_cancel_generations)
     app.cleanup_ctx.append(_close_workers)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -100,6 +106,7 @@ def check_limits(args: argparse.Namespace) -> None:
     side_slots = getattr(args, "side_slots", DEFAULT_SIDE_SLOTS)
     if side_slots < 0:
         raise ValueError(f"--side-slots must be at least 0, got {side_slots}")
+    grammar_limits(args)
 
 
 def settings_from_args(
@@ -124,7 +131,23 @@ def settings_from_args(
         max_model_len=max_model_len,
         max_concurrency=_first(args.max_concurrency, max_concurrency, 1),
         max_queue=args.max_queue,
+        grammar=grammar_limits(args),
     )
+
+
+def grammar_limits(args: argparse.Namespace) -> LaneLimits:
+    """`--grammar-workers/-queue/-timeout`; ValueError with a one-line message."""
+    default = LaneLimits()
+    workers = getattr(args, "grammar_workers", default.workers)
+    queue = getattr(args, "grammar_queue", default.queue)
+    timeout_s = getattr(args, "grammar_timeout", default.timeout_s)
+    if workers < 1:
+        raise ValueError(f"--grammar-workers must be at least 1, got {workers}")
+    if queue < 0:
+        raise ValueError(f"--grammar-queue must be at least 0, got {queue}")
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"--grammar-timeout must be positive, got {timeout_s}")
+    return LaneLimits(workers=workers, queue=queue, timeout_s=timeout_s)
 
 
 def _cuda_graphs(args: argparse.Namespace, engine: Engine) -> bool | None:
@@ -156,7 +179,7 @@ def build_generator(args: argparse.Namespace, engine: Engine) -> tuple[Settings,
     settings = settings_from_args(args, engine, planned.max_running)
     generator: GenerationEngine
     if kind == "batched":
-        from proxy.fallback.batched import BatchedEngine  # imports the library's CB code
+        from proxy.fallback.engines.batched import BatchedEngine  # imports the library's CB code
 
         generator = BatchedEngine(
             engine,

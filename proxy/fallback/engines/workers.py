@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import structlog
 
-from proxy.fallback.engine import MAX_TOP_LOGPROBS, Engine
-from proxy.fallback.interface import (
+from proxy.fallback.engines.engine import MAX_TOP_LOGPROBS, Engine
+from proxy.fallback.engines.interface import (
     Capabilities,
     EngineClosed,
     EngineName,

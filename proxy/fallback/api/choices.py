@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from proxy.fallback.interface import (
+from proxy.fallback.api.metrics import FallbackMetrics
+from proxy.fallback.engines.interface import (
     Delta,
     Finished,
     Generation,
@@ -23,9 +24,8 @@ from proxy.fallback.interface import (
     GenerationSpec,
     TokenLogprob,
 )
-from proxy.fallback.metrics import FallbackMetrics
+from proxy.fallback.features.tools import ToolCallSplitter
 from proxy.fallback.protocol import FinishReason, ToolCall, ToolUse
-from proxy.fallback.tools import ToolCallSplitter
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,10 @@ class Choices:
         reason: FinishReason = event.reason
         if self._splitter is None:
             return ChoiceOutput(self._index, "", finished=event, reason=reason)
-        rest, calls, content = self._splitter.finish(self._tool_use)
-        if calls:
+        cut = event.reason == "length"
+        rest, calls, content = self._splitter.finish(self._tool_use, cut=cut)
+        forced_and_cut = cut and self._tool_use.constrained
+        if calls and not forced_and_cut:
             reason = "tool_calls"
         return ChoiceOutput(
             self._index,

@@ -34,10 +34,10 @@ from transformers.generation.logits_process import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
-from proxy.fallback import cbsampler
-from proxy.fallback.interface import Delta, Finished, GenerationSpec, Outcome, TokenLogprob
+from proxy.fallback.engines import cbsampler
+from proxy.fallback.engines.interface import Delta, Finished, GenerationSpec, Outcome, TokenLogprob
+from proxy.fallback.engines.tokentext import TokenText
 from proxy.fallback.protocol import Message, SamplingParams
-from proxy.fallback.tokentext import TokenText
 
 log = structlog.get_logger("brownout.fallback.engine")
 

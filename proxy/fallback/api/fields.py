@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from proxy.fallback.errors import APIError, unsupported
-from proxy.fallback.interface import Capabilities
+from proxy.fallback.api.errors import APIError, unsupported
+from proxy.fallback.engines.interface import Capabilities
 from proxy.fallback.protocol import Output, SamplingParams
 
 Endpoint = Literal["chat", "completions"]

@@ -1,0 +1,1 @@
+"""The fallback server's HTTP API: app, handlers, request parsing, answers, errors."""

@@ -1,0 +1,1 @@
+"""The generation engines (threads, batched) and what they share: model, admission, text."""

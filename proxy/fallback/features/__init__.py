@@ -1,0 +1,1 @@
+"""API features beside generation: structured output (xgrammar), tools, chat template."""
