@@ -64,12 +64,15 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
             response, term = maintenance(rec, inbox, f"tier {rt.tier}")
             return response
         canary = rt.canary
-        if canary is not None and dest == "primary" and canary.rollout.routing:
+        if canary is not None and dest == "primary":
             # A gray release: the request's bucket picks its arm; a candidate
             # failure before the first byte is then retried on the primary.
             cand = rt.upstreams.get("candidate")
-            if cand is not None and cand.available and canary.wants_candidate(rec):
-                candidates = [cand, *candidates]
+            if cand is not None and cand.available:
+                if canary.rollout.routing and canary.wants_candidate(rec):
+                    candidates = [cand, *candidates]
+                elif canary.rollout.mirroring and rec.endpoint == "chat":
+                    canary.maybe_mirror(rec, cand)
         result = await run_attempts(
             rec, inbox, candidates, passthrough=rec.endpoint == "passthrough"
         )

@@ -29,9 +29,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import structlog
 
-from proxy.control.attribution import DEFINITIVE
+from proxy.control.attribution import DEFINITIVE, classify
 from proxy.control.gates import GateReport, Gates, GateValue
 from proxy.control.rollout import (
     RUNNING,
@@ -106,6 +107,61 @@ class Canary:
         ro = self.rollout
         return ro.routing and ro.arm(self.bucket_of(rec), rec.priority) == "candidate"
 
+    def maybe_mirror(self, rec: RequestRecord, cand: Upstream) -> None:
+        """The mirror state: a share of live requests is copied to the
+        candidate; its answer is measured and thrown away (no user sees it)."""
+        if random_bucket() < self.policy.mirror:
+            self.spawn(self._mirror(rec.body, rec.stream, cand), "rollout_mirror")
+
+    async def _mirror(self, body: dict[str, Any], stream: bool, cand: Upstream) -> None:
+        payload = dict(body)
+        if cand.policy.model:
+            payload["model"] = cand.policy.model
+        headers = {"Authorization": cand.auth_header} if cand.auth_header else None
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ttft: float | None = None
+        status = 0
+        text = b""
+        try:
+            async with asyncio.timeout(cand.policy.timeouts.total_s):
+                async with cand.session.post(
+                    cand.chat_url, json=payload, headers=headers, allow_redirects=False
+                ) as resp:
+                    status = resp.status
+                    async for data in resp.content.iter_any():
+                        if ttft is None:
+                            ttft = loop.time() - t0
+                        if len(text) < 4096:
+                            text += data[:4096]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, text = 599, type(exc).__name__.encode()
+        now = self.clock()
+        if self.rollout.state != "mirror":
+            return
+        if status >= 500:
+            v = classify(f"http_{status}", status, text)
+            hard = self.gates.observe(
+                "candidate", now, latency_s=None, ttft_s=None, failed=True, oom=v.fault == "oom"
+            )
+            self.errors["candidate"].append(
+                {
+                    "at": round(time.time(), 3),
+                    "arm": "candidate",
+                    "mirror": True,
+                    "status": status,
+                    "fault": v.fault,
+                    "detail": text[:200].decode("utf-8", "replace"),
+                }
+            )
+            if hard is not None:
+                self.roll_back(hard)
+            return
+        if 200 <= status < 300:
+            self.gates.observe(
+                "candidate", now, latency_s=loop.time() - t0, ttft_s=ttft if stream else None
+            )
+
     def finished(self, rec: RequestRecord, term: Terminal, elapsed: float) -> None:
         """One request's end, while a rollout runs: the gates' sample."""
         if self.rollout.state not in RUNNING:
@@ -113,6 +169,8 @@ class Canary:
         now = self.clock()
         fault = rec.candidate_fault
         arm = term.backend
+        if self.rollout.state == "mirror" and arm != "primary":
+            return
         if fault:
             # Its answer started and then failed (rescued or not), or the same
             # request was answered elsewhere: the candidate's own failure.

@@ -365,3 +365,27 @@ async def test_admin_actions_and_their_errors(
     assert (await act(proxy, "promote"))[1]["state"] == "complete"
     assert (await act(proxy, "abort"))[1]["state"] == "aborted"
     assert (await ask(proxy, "u"))[1] == "primary"
+
+
+async def test_the_mirror_step_copies_requests_no_user_sees_the_candidate(
+    fake_upstream: FakeUpstream,
+    candidate_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    tmp_path: Path,
+) -> None:
+    fake_upstream.handlers[CHAT] = streaming("primary", 0.03)
+    candidate_upstream.handlers[CHAT] = streaming("candidate", 0.0)
+    pol = rollout_policy(
+        fake_upstream.url, candidate_upstream.url, tmp_path, mirror=1.0, mirror_s=0.3
+    )
+    proxy = await start_proxy(pol)
+    status, body = await act(proxy, "start")
+    assert (status, body["state"]) == (200, "mirror")
+    t0 = time.monotonic()
+    while (await state(proxy))["state"] == "mirror":
+        assert time.monotonic() - t0 < 10, await state(proxy)
+        st, arm, raw = await ask(proxy, f"m-{time.monotonic()}")
+        assert (st, arm) == (200, "primary") and text_of(raw.encode()) == "from primary"
+    copies = [p for p, _, _ in candidate_upstream.requests if p == CHAT]
+    assert len(copies) >= 5  # min_samples of mirrored answers judged the step
+    assert (await state(proxy))["state"] == "step"
