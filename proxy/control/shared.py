@@ -8,7 +8,11 @@ What is shared, and how:
   multi-model `openai` backend) the same way, as
   `{prefix}breaker:{backend}:model:{model}`;
 - a forced tier (`POST /brownout/tier`) is written to `{prefix}forced` and
-  followed by every replica; releasing it deletes the key.
+  followed by every replica; releasing it deletes the key;
+- the gray release's state (id, state, step) is written to `{prefix}rollout`
+  at every change on any replica and followed by the others (the last
+  change wins): every replica is on the same step, and one replica's
+  rollback rolls all of them back.
 
 Replicas poll every `interval_s` (one pipelined round trip), so a change is
 seen within that interval — simpler than pub/sub and self-healing after a
@@ -52,6 +56,7 @@ class SharedState:
         # Remote facts already applied here (so they are applied once).
         self._seen_breakers: dict[str, float] = {}
         self._seen_forced: str | None = None
+        self._seen_rollout = 0.0
 
     async def _run(self, coro: Any) -> Any:
         try:
@@ -124,6 +129,32 @@ class SharedState:
                 opened[b] = info
                 self._seen_breakers[key] = at
         return opened, forced, True
+
+    async def publish_rollout(self, state: dict[str, Any]) -> None:
+        now = time.time()
+        self._seen_rollout = now
+        value = json.dumps({"at": now, "by": self.replica, "rollout": state})
+        await self._run(self.client.set(f"{self._p}rollout", value))
+
+    async def read_rollout(self) -> dict[str, Any] | None:
+        """Another replica's newer rollout state, once; None when there is none."""
+        raw = await self._run(self.client.get(f"{self._p}rollout"))
+        if not raw:
+            return None
+        try:
+            info = json.loads(raw)
+            at = float(info["at"])
+            state = info["rollout"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        if (
+            info.get("by") == self.replica
+            or at <= self._seen_rollout
+            or not isinstance(state, dict)
+        ):
+            return None
+        self._seen_rollout = at
+        return state
 
     def forced_changed(self, forced: str | None) -> bool:
         if forced == self._seen_forced:

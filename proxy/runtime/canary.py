@@ -65,12 +65,15 @@ class Canary:
         clock: Callable[[], float],
         metrics: Metrics,
         spawn: Callable[[Coroutine[Any, Any, None], str], None],
+        publish: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         rp = policy.rollout
         self.policy = rp
         self.clock = clock
         self.metrics = metrics
         self.spawn = spawn
+        self.publish = publish  # to the other replicas (ladder.shared)
+        self._following = False
         self.dir = Path(rp.snapshot_dir)
         self.rollout = Rollout(rp, clock, self._on_event, wall=time.time)
         self.gates = Gates(rp.gates, quality_required=rp.eval is not None)
@@ -329,6 +332,8 @@ class Canary:
             detail=ev.detail or None,
         )
         self.save()
+        if self.publish is not None and not self._following:
+            self.publish(self.rollout.to_state())
 
     def _timeline(self, kind: str, at: float, **data: Any) -> None:
         self.timeline.append({"at": self._wall(at), "event": kind, **data})
@@ -360,6 +365,21 @@ class Canary:
         except OSError as exc:
             self.state_error = f"{type(exc).__name__}: {exc}"
             log.error("rollout_state_not_saved", dir=str(self.dir), error=self.state_error)
+
+    def follow(self, remote: dict[str, Any]) -> None:
+        """Another replica changed the rollout (a step, a rollback, an action):
+        this one takes the same state and step."""
+        ro = self.rollout
+        before = (ro.rollout_id, ro.state, ro.step)
+        self._following = True
+        try:
+            self.restore(remote)
+        finally:
+            self._following = False
+        if (ro.rollout_id, ro.state, ro.step) != before:
+            self._timeline("followed", self.clock(), state=ro.state, step=ro.step)
+            log.warning("rollout_followed", rollout_id=ro.rollout_id, state=ro.state, step=ro.step)
+            self.save()
 
     def restore(self, saved: dict[str, Any]) -> None:
         self.rollout.restore(saved, self.clock())

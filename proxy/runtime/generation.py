@@ -93,7 +93,9 @@ class Runtime:
         self._applying_remote = False
         # The gray release of backends.candidate (proxy.runtime.canary).
         self.canary: Canary | None = (
-            Canary(pol, self.clock, m, self.spawn) if pol.backends.candidate is not None else None
+            Canary(pol, self.clock, m, self.spawn, self._publish_rollout)
+            if pol.backends.candidate is not None
+            else None
         )
 
     def bind_gauges(self) -> None:
@@ -149,6 +151,11 @@ class Runtime:
         request; referenced until done, its failure logged and counted."""
         self.tasks.spawn(name, coro)
 
+    def _publish_rollout(self, state: dict[str, Any]) -> None:
+        """A rollout change here: the other replicas follow it (`ladder.shared`)."""
+        if self.shared is not None:
+            self.spawn(self.shared.publish_rollout(state), "shared_publish")
+
     def force_tier(self, tier: Tier | None) -> None:
         self.ladder.force(tier)
         if tier is None:
@@ -182,6 +189,11 @@ class Runtime:
                 self.force_tier(forced if forced in TIERS else None)
         finally:
             self._applying_remote = False
+        canary = self.canary
+        if canary is not None:
+            remote = await shared.read_rollout()
+            if remote is not None:
+                canary.follow(remote)
 
     def counter_for(self, up: Upstream) -> TokenCounter:
         """The backend's own tokenizer when the policy names one, else its

@@ -389,3 +389,60 @@ async def test_the_mirror_step_copies_requests_no_user_sees_the_candidate(
     copies = [p for p, _, _ in candidate_upstream.requests if p == CHAT]
     assert len(copies) >= 5  # min_samples of mirrored answers judged the step
     assert (await state(proxy))["state"] == "step"
+
+
+async def test_replicas_sharing_state_follow_one_rollout_and_its_rollback(
+    fake_upstream: FakeUpstream,
+    candidate_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    tmp_path: Path,
+) -> None:
+    """With ladder.shared, a start on replica A puts B on the same step, and
+    A's rollback (an OOM it saw) rolls B back too."""
+    from tests.sessions.conftest import PrivateRedis
+
+    (tmp_path / "redis").mkdir()
+    redis = PrivateRedis(tmp_path / "redis")
+    redis.start()
+    try:
+        fake_upstream.handlers[CHAT] = streaming("primary", 0.0)
+        candidate_upstream.handlers[CHAT] = streaming("candidate", 0.0)
+
+        def pol(name: str) -> Policy:
+            p = rollout_policy(
+                fake_upstream.url, candidate_upstream.url, tmp_path / name, step_s=3600
+            )
+            from dataclasses import replace
+
+            shared = replace(p.ladder.shared, redis=redis.url, interval_s=0.05, timeout_s=0.5)
+            return replace(p, ladder=replace(p.ladder, shared=shared))
+
+        a = await start_proxy(pol("a"))
+        b = await start_proxy(pol("b"))
+        assert (await act(a, "start"))[1]["state"] == "step"
+        await wait_until_async(lambda: state(b), lambda s: s["state"] == "step")
+        assert (await state(b))["id"] == (await state(a))["id"]
+
+        async def oom(request: web.Request) -> web.StreamResponse:
+            return web.json_response({"error": {"message": "CUDA out of memory"}}, status=500)
+
+        candidate_upstream.handlers[CHAT] = oom
+        for i in range(40):  # until one of A's requests lands on the candidate
+            await ask(a, f"s{i}")
+            if (await state(a))["state"] == "rolled_back":
+                break
+        assert (await state(a))["state"] == "rolled_back"
+        await wait_until_async(lambda: state(b), lambda s: s["state"] == "rolled_back")
+        assert (await ask(b, "s0"))[1] == "primary"
+    finally:
+        redis.stop()
+
+
+async def wait_until_async(get: Any, pred: Any, limit_s: float = 3.0) -> None:
+    t0 = time.monotonic()
+    while True:
+        value = await get()
+        if pred(value):
+            return
+        assert time.monotonic() - t0 < limit_s, value
+        await asyncio.sleep(0.02)
