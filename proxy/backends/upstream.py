@@ -85,8 +85,8 @@ class Upstream:
     # Breakers, their corroboration ledgers, the retry budget (decisions, in control/).
     judge: BreakerSet = field(init=False)
     # The shared recovery probe (`shared_probe`): in flight, and the last verdict.
-    _probe_flight: dict[str | None, asyncio.Task[str | ProbeMisconfigured | None]] = field(
-        default_factory=dict, init=False, repr=False
+    _probe_flight: dict[str | None, tuple[float, asyncio.Task[str | ProbeMisconfigured | None]]] = (
+        field(default_factory=dict, init=False, repr=False)
     )
     _probe_seen: dict[str | None, tuple[float, str | ProbeMisconfigured | None]] = field(
         default_factory=dict, init=False, repr=False
@@ -255,7 +255,7 @@ class Upstream:
     def probe_request(self, model: str | None = None) -> dict[str, Any]:
         """The recovery probe's JSON body (`backends.<name>.probe`)."""
         body: dict[str, Any] = json.loads(self.policy.probe.body or PING)
-        model = model or self.policy.model or self.traffic_model or self.served_model
+        model = self.policy.model or model or self.traffic_model or self.served_model
         if model and "model" not in body:
             body["model"] = model
         return body
@@ -285,34 +285,41 @@ class Upstream:
         return None
 
     async def shared_probe(
-        self, model: str | None = None, max_age_s: float = 0.0
+        self, model: str | None = None, since: float | None = None
     ) -> str | ProbeMisconfigured | None:
-        """`recovery_probe(model)`, shared: concurrent callers wait for the one
-        in flight, and a verdict younger than `max_age_s` is reused — so no
-        number of requests makes more than one probe per backend at a time."""
+        """`recovery_probe(model)`, shared: a caller takes the verdict of a
+        probe that started at or after `since` (loop time; None: any probe in
+        flight, else a new one) — finished or in flight — or starts one. So a
+        verdict is never older than the failure it judges, and no number of
+        requests has more than one probe per backend in flight at a time."""
         loop = asyncio.get_running_loop()
         seen = self._probe_seen.get(model)
-        if seen is not None and loop.time() - seen[0] < max_age_s:
+        if seen is not None and since is not None and seen[0] >= since:
             return seen[1]
         flight = self._probe_flight.get(model)
+        if flight is not None and since is not None and flight[0] < since:
+            await asyncio.shield(flight[1])  # too old for this caller: the next one
+            return await self.shared_probe(model, since)
         if flight is None:
-            flight = loop.create_task(self._probe_once(model), name=f"probe-{self.name}")
-            self._probe_flight[model] = flight
-        return await asyncio.shield(flight)
+            task = loop.create_task(self._probe_once(model, loop.time()), name=f"probe-{self.name}")
+            flight = self._probe_flight[model] = (loop.time(), task)
+        return await asyncio.shield(flight[1])
 
-    async def _probe_once(self, model: str | None) -> str | ProbeMisconfigured | None:
+    async def _probe_once(
+        self, model: str | None, started: float
+    ) -> str | ProbeMisconfigured | None:
         try:
             try:
                 why = await self.recovery_probe(model)
             except Exception as exc:  # reported as the probe's failure
                 why = f"recovery probe: {type(exc).__name__}"
-            self._probe_seen[model] = (asyncio.get_running_loop().time(), why)
+            self._probe_seen[model] = (started, why)
             return why
         finally:
             self._probe_flight.pop(model, None)
 
     async def close(self) -> None:
-        for flight in list(self._probe_flight.values()):
+        for _, flight in list(self._probe_flight.values()):
             flight.cancel()
         task = self.probe_task
         if task is not None:

@@ -11,12 +11,15 @@ only acts on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
+import aiohttp
 from aiohttp import web
+from yarl import URL
 
-from proxy.backends.upstream import Upstream
+from proxy.backends.upstream import ProbeMisconfigured, Upstream
 from proxy.control.admission import Rejected
 from proxy.control.attribution import definitive
 from proxy.control.breaker import Permit
@@ -218,9 +221,8 @@ async def _failed_everywhere(
     ups = list({up.name: up for up, _, _ in failures}.values())
     if len(ups) < 2:
         return None
-    verdicts = await asyncio.gather(
-        *(up.shared_probe(rec.model, up.policy.health.interval_s) for up in ups)
-    )
+    since = rec.t0  # a probe from before this request's failures says nothing of them
+    verdicts = await asyncio.gather(*(up.shared_probe(rec.model, since) for up in ups))
     if any(v is not None for v in verdicts):
         return None
     names = ", ".join(up.name for up in ups)
@@ -245,6 +247,48 @@ async def _failed_everywhere(
         response=response,
         code="request_failed_everywhere",
     )
+
+
+async def call_whole(
+    rec: RequestRecord,
+    up: Upstream,
+    url: URL,
+    payload: bytes | None,
+    deadline: float,
+    method: str,
+) -> aiohttp.ClientResponse | AttemptResult:
+    """A non-streaming call: its headers come after the whole generation, so
+    `deadline` (first_byte_s) cannot tell a long answer from a stalled
+    engine. Past it the backend's recovery probe (its 1-token chat) decides:
+    a probe that fails ends the call as a first-byte timeout (the next
+    candidate takes the request); one that passes lets it run to
+    `timeouts.total_s` (a long generation is the request's, never a fault)."""
+    total = rec.loop.time() + up.policy.timeouts.total_s
+    task = asyncio.ensure_future(call(rec, up, url, payload, total, method, "total_timeout"))
+    try:
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(task), max(0.0, deadline - rec.loop.time())
+            )
+        except TimeoutError:
+            pass
+        why = await up.shared_probe(None if up.policy.model else rec.model, rec.loop.time())
+        if why is None or isinstance(why, ProbeMisconfigured):
+            return await task
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return failed(
+            up,
+            504,
+            "backend did not answer before the deadline, and its health probe failed too",
+            "upstream_timeout",
+            "first_byte_timeout",
+            str(why),
+        )
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
 
 
 def _larger_window(up: Upstream, rest: list[Upstream]) -> bool:
@@ -311,9 +355,7 @@ async def attempt(
         if rec.stream or passthrough:
             resp = await call(rec, up, url, payload, deadline, method)
         else:
-            # A non-streaming answer's headers come after the whole generation.
-            total = rec.loop.time() + up.policy.timeouts.total_s
-            resp = await call(rec, up, url, payload, total, method, "total_timeout")
+            resp = await call_whole(rec, up, url, payload, deadline, method)
         if isinstance(resp, AttemptResult):
             if resp.code == "total_timeout":
                 headers = rec.headers(up.name)

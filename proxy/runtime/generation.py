@@ -351,6 +351,7 @@ class Runtime:
         roll back a ramp towards it: not one admitted before it recovered,
         nor one model's failure (per-model breakers keep it from the
         backend's other models)."""
+        self.metrics.upstream_errors.labels(up.name, kind).inc()  # what it showed
         b = up.breaker_of(permit)
         if suspect and b.policy.corroborate:
             led = up.judge.ledger(b)
@@ -424,9 +425,8 @@ class Runtime:
         self._absolved(up, mine, "failed on every backend while their probes passed")
 
     def _charge_backend(self, up: Upstream, fault: str) -> None:
-        """A failure judged the backend's: both counters that say so."""
+        """A failure judged the backend's."""
         self.metrics.failures.labels(up.name, "backend", fault).inc()
-        self.metrics.upstream_errors.labels(up.name, fault).inc()
 
     def report_charged(self, up: Upstream, attribution: str, fault: str) -> None:
         """A failure charged to the request or to load: counted, never judged."""

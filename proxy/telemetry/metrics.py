@@ -84,7 +84,8 @@ class Metrics:
         )
         self.upstream_errors = Counter(
             "brownout_upstream_errors",
-            "Upstream failures charged to the backend (attribution `backend`), by kind.",
+            "Failures each backend showed, by kind, before attribution (who they were charged to: "
+            "brownout_failures_total).",
             ["backend", "kind"],
             registry=r,
         )

@@ -164,13 +164,15 @@ async def test_a_long_non_streaming_answer_is_not_a_backend_fault(
     fake_upstream: FakeUpstream, start_proxy: ProxyFactory
 ) -> None:
     """A non-streaming answer's first byte comes after the whole generation:
-    one slower than first_byte_s (2 s here) is answered, not failed over; one
-    past timeouts.total_s is a 504 charged to the request, never opening the
-    breaker (fail_max 1)."""
+    one slower than first_byte_s (2 s here) is answered, not failed over (the
+    probe sent at first_byte_s passes); one past timeouts.total_s is a 504
+    charged to the request, never opening the breaker (fail_max 1)."""
     delay = [2.5]
 
     async def slow(request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(delay[0])
+        body = json.loads(await request.read())
+        if body.get("max_tokens") != 1:  # the probe's 1-token answer is quick
+            await asyncio.sleep(delay[0])
         return await fallback_answer(request)
 
     fake_upstream.handlers[CHAT] = slow
@@ -188,7 +190,6 @@ async def test_a_long_non_streaming_answer_is_not_a_backend_fault(
     assert body["error"]["code"] == "total_timeout"
     assert "max_tokens" in body["error"]["message"]
     assert headers["x-should-retry"] == "false"
-    delay[0] = 0.0  # the probe that the timeout sends passes
     up = rt.upstreams["primary"]
     await wait_until(lambda: not up.judge.ledger(up.breaker).probing, 6.0)
     assert up.breaker.state == "closed"
@@ -282,3 +283,23 @@ async def test_the_probe_asks_for_the_model_of_the_traffic_that_failed(
     await wait_until(lambda: not primary.judge.ledger(primary.breaker).probing)
     probes = [json.loads(b) for p, _, b in fake_upstream.requests if p == CHAT and b"ping" in b]
     assert [p["model"] for p in probes] == ["tiny"]
+
+
+async def test_a_stalled_engine_behind_a_non_streaming_request_fails_over_at_first_byte_s(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Nothing comes back, not even the probe's 1-token answer: at
+    first_byte_s the request goes to the fallback (it does not wait total_s)."""
+
+    async def stalled(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(30)
+        return await fallback_answer(request)
+
+    fake_upstream.handlers[CHAT] = stalled
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url))
+    t0 = asyncio.get_running_loop().time()
+    status, headers, _ = await post(proxy, PLAIN)
+    took = asyncio.get_running_loop().time() - t0
+    assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
+    assert took < 10  # first_byte_s 2 + the probe's 2, not total_s 600

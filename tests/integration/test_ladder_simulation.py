@@ -33,7 +33,7 @@ What a client notices, checked after every request and every step:
   500, never a silently truncated stream, never a hang past the client's
   bound;
 - no fault other than host timing is ever charged to a healthy backend
-  (`brownout_upstream_errors_total`, its probes); host timing (a late
+  (`brownout_failures_total{attribution="backend"}`, its probes); host timing (a late
   first byte on this shared machine) restarts its healthy clock;
 - `X-Brownout-Backend` names who answered (the text says so too), never a
   backend the schedule has down, never the fallback for a field it does not
@@ -358,9 +358,10 @@ class ProxySimulation(RuleBasedStateMachine):
             text = await resp.text()
         for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
-                if smp.name != "brownout_upstream_errors_total":
+                # What was charged to the backend (issue 20's attribution).
+                if smp.name != "brownout_failures_total" or smp.labels["attribution"] != "backend":
                     continue
-                key = (smp.labels["backend"], smp.labels["kind"])
+                key = (smp.labels["backend"], smp.labels["fault"])
                 new = smp.value - self.charged.get(key, 0.0)
                 self.charged[key] = smp.value
                 name, kind = key
