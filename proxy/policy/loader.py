@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
+from proxy.policy.evalset import evalset_path, load_evalset
 from proxy.policy.faq import FaqFile
 from proxy.policy.knobs import Bounds
 from proxy.policy.scalars import INVALID, MALFORMED_ENV, ScalarReader
@@ -281,6 +282,11 @@ def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Polic
             policy,
             faq=dataclasses.replace(policy.faq, entries=faq.entries + policy.faq.entries),
         )
+    eval_path = evalset_path(policy)
+    if eval_path is not None:
+        # Checked here, like the FAQ file, so `brownout check` and a reload
+        # refuse a broken eval set; the rollout loads it again when it runs.
+        load_evalset(eval_path)
     return policy
 
 

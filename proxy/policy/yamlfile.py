@@ -100,14 +100,14 @@ def compose(text: str, file: str) -> yaml.Node | None:
         raise PolicyError([PolicyIssue(file, 1, f"YAML: {type(exc).__name__}")]) from None
 
 
-def read_text(p: Path) -> str:
+def read_text(p: Path, limit: int = MAX_FILE_BYTES) -> str:
     try:
         with p.open("rb") as f:  # bounded: `/dev/zero` or a runaway file must not hang
-            raw = f.read(MAX_FILE_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as exc:
         raise PolicyError([PolicyIssue(str(p), 1, f"cannot read file: {exc.strerror}")]) from None
-    if len(raw) > MAX_FILE_BYTES:
-        why = f"file is larger than {MAX_FILE_BYTES // 2**20} MiB"
+    if len(raw) > limit:
+        why = f"file is larger than {limit / 2**20:g} MiB"
         raise PolicyError([PolicyIssue(str(p), 1, why)])
     try:
         return raw.decode("utf-8")

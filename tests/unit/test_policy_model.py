@@ -223,7 +223,11 @@ def _validator(faq: bool = False) -> Draft202012Validator:
 
 
 def _shipped() -> list[tuple[str, str]]:
-    files = [(str(p), p.read_text()) for p in sorted((ROOT / "policies").glob("*.yaml"))]
+    files = [
+        (str(p), p.read_text())
+        for p in sorted((ROOT / "policies").glob("*.yaml"))
+        if not p.name.startswith("eval.")  # eval sets: tests/unit/test_evalset.py
+    ]
     files.append(
         ("docker/brownout/policy.yaml", (ROOT / "docker/brownout/policy.yaml").read_text())
     )
