@@ -112,7 +112,13 @@ class HeaderDeadline(asyncio.Protocol):
 class OpenAIErrorHandler(RequestHandler):
     """aiohttp's protocol, answering what it refuses before the app runs (a
     request line over 8 KiB, a `Content-Encoding` its parser cannot undo, a
-    malformed head) with an OpenAI error object instead of plain text."""
+    malformed head) with an OpenAI error object instead of plain text.
+
+    A refused head is the client's fault, not a bug: it gets one
+    warning-level line (`request_rejected`, with the parser's `error` and
+    the first line of its message), not aiohttp's `Error handling request`
+    with a traceback on the `aiohttp.server` logger. A 500 (a handler that
+    raised around the middleware: a bug) keeps aiohttp's logging."""
 
     __slots__ = ()
     # Set on the per-site subclass (see `GuardedSite.start`): counts the refusal.
@@ -125,23 +131,50 @@ class OpenAIErrorHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        # aiohttp's own: logs, and raises when a response was already begun.
-        super().handle_error(request, status, exc, message)
         if status >= 500:
+            # aiohttp's own: logs with the traceback, and raises when a
+            # response was already begun.
+            super().handle_error(request, status, exc, message)
             text, type_, code = "internal error", "server_error", "internal_error"
         else:
+            if request.writer.output_size > 0:
+                # Some of a response went out: only closing the connection says so.
+                raise ConnectionError("a response was already begun")
             text = message or HTTPStatus(status).phrase
             type_, code = "invalid_request_error", "bad_request"
         self.on_refused(status, code)
         rid = request_id(request.headers.get("X-Request-Id"))
         # The one line of a request the app never saw (its middlewares
         # log `request_rejected` for everything they refuse).
-        log.info(
-            "request_rejected", request_id=rid, status=status, reason=code, method=request.method
+        fields = refusal_fields(exc, message) if status < 500 else {}
+        (log.warning if status < 500 else log.info)(
+            "request_rejected",
+            request_id=rid,
+            status=status,
+            reason=code,
+            method=request.method,
+            **fields,
         )
         resp = error_response(status, text, type_=type_, code=code, headers={"X-Request-Id": rid})
         resp.force_close()
         return resp
+
+
+# How much of the parser's message a log line keeps.
+_DETAIL_CHARS = 200
+
+
+def refusal_fields(exc: BaseException | None, message: str | None) -> dict[str, str]:
+    """The log fields of a head the parser refused: the exception's class and
+    the first line of its message (which names the problem; the lines after
+    it quote the client's bytes, escaped by aiohttp), at most 200 characters."""
+    text = message or getattr(exc, "message", None) or (str(exc) if exc is not None else "")
+    first = next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+    detail = first.rstrip(":")
+    out = {"detail": ascii(detail[:_DETAIL_CHARS])[1:-1]}
+    if exc is not None:
+        out["error"] = type(exc).__name__
+    return out
 
 
 def _deadline_of(request: web.BaseRequest) -> HeaderDeadline | None:

@@ -10,10 +10,12 @@ this order:
    `internal_error`). No input gets a plain-text error from the app.
 3. the path check — a path not in canonical form is refused before anything
    is routed on or forwarded (`proxy.ingress.paths`).
-4. authentication — the route's credential: client keys (`server.api_keys`)
+4. the method — a method the route does not take is a 405 with `Allow`,
+   before any credential is asked for (`GET /brownout/tier`: 405, never 401).
+5. authentication — the route's credential: client keys (`server.api_keys`)
    or the admin token, each compared in constant time.
 
-One middleware, not four: each aiohttp middleware is another coroutine
+One middleware, not five: each aiohttp middleware is another coroutine
 frame and handler wrapper on every request.
 """
 
@@ -67,6 +69,11 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
         route = route_of(request)
         _check_path(request.rel_url.raw_path)
         if route is not None and route.auth != "none":
+            if route.methods != ("*",) and request.method not in route.methods:
+                # The method decides before the credential: `GET /brownout/tier`
+                # is a 405 with `Allow: POST` for everyone, not a 401 that
+                # suggests the right token would make it work.
+                raise web.HTTPMethodNotAllowed(request.method, route.methods)
             _authenticate(request, route)
         return await handler(request)
     except web.HTTPException as exc:

@@ -7,7 +7,8 @@ So a path that is not already in its one canonical form is refused, never
 repaired: dot-segments (`.`, `..`, also as `%2e`), empty segments (`//`),
 encoded slashes or backslashes (`%2F`, `%5C`) and backslashes, encoded NULs
 and control characters (`%00`-`%1F`, `%7F`). Under `/v1/`, a trailing slash
-names no route (404, with the path it probably meant).
+names no route (404, with the path it probably meant); nor does it under
+`/brownout/` (the status page, `/brownout/`, aside).
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def path_problem(raw_path: str) -> PathProblem | None:
     if m is not None:
         what = _MESSAGES[m.lastgroup or "control"]
         return PathProblem(400, f"the request path contains {what}: {m.group(0)!r}")
-    if raw_path.startswith("/v1/") and raw_path.endswith("/"):
+    if raw_path.endswith("/") and (
+        raw_path.startswith("/v1/")
+        or (raw_path.startswith("/brownout/") and raw_path != "/brownout/")
+    ):
+        where = "/v1/" if raw_path.startswith("/v1/") else "/brownout/"
         return PathProblem(
-            404, "no route ends with '/' under /v1/", suggestion=raw_path.rstrip("/")
+            404, f"no route ends with '/' under {where}", suggestion=raw_path.rstrip("/")
         )
     return None

@@ -2,10 +2,22 @@
 
 Only what the proxy relies on is checked (shape, types of the fields it
 reads); everything else is the backend's business and passes untouched.
+
+Field names are the exception: a name the proxy may echo in a response
+header (`X-Brownout-Dropped` names the fields dropped for a backend that
+does not honour them) must be an HTTP token (RFC 9110 §5.6.2: ASCII
+letters, digits and ``!#$%&'*+-.^_`|~``), 1 to 128 characters. That holds
+for every top-level key of the body and for the `type` of each content part
+(`messages[].content[type=X]` is such a name). Anything else (CR, LF, NUL,
+a space, a comma, non-ASCII, a 1 MB name) is a 400 `invalid_field_name`
+naming the field, JSON-escaped, with `param` set: no real OpenAI or vLLM
+parameter is outside that set.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +29,13 @@ Endpoint = Literal["chat", "completions"]
 
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 
+# An HTTP token (RFC 9110 §5.6.2 tchar), 1-128 characters: safe in a header
+# value and in a comma-separated list of names.
+MAX_FIELD_NAME = 128
+_TOKEN_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1," + str(MAX_FIELD_NAME) + r"}\Z")
+# How much of a bad name the error echoes (escaped).
+_SHOWN = 64
+
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
@@ -26,6 +45,32 @@ class ParsedRequest:
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> RequestRejected:
     return RequestRejected(400, message, code, param)
+
+
+def is_field_token(name: str) -> bool:
+    """A field name the proxy may echo in a response header."""
+    return _TOKEN_RE.match(name) is not None
+
+
+def _bad_name(name: str, noun: str, param: str) -> RequestRejected:
+    shown = name if len(name) <= _SHOWN else name[:_SHOWN] + "..."
+    # ASCII-escaped (`"a\r\nb"`, `"\u00e9"`): the message is safe to read
+    # in any log or terminal; `param` names the field as sent (JSON escapes
+    # it), cut to the longest valid name.
+    return RequestRejected(
+        400,
+        f"{json.dumps(shown)} is not a valid {noun}: {noun}s are 1-{MAX_FIELD_NAME} "
+        "characters of ASCII letters, digits and !#$%&'*+-.^_`|~",
+        "invalid_field_name",
+        param[:MAX_FIELD_NAME],
+    )
+
+
+def check_field_names(body: dict[str, Any]) -> None:
+    """Every top-level key of a request body is a token (see the module doc)."""
+    for key in body:
+        if _TOKEN_RE.match(key) is None:
+            raise _bad_name(key, "field name", key)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -66,6 +111,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
     """Decode and check a request body; raise RequestRejected with a clear reason."""
     body = parse_json_object(raw)
+    check_field_names(body)
 
     stream = body.get("stream", False)
     if stream is None:
@@ -129,8 +175,11 @@ def _check_parts(parts: list[Any], where: str) -> None:
         at = f"{where}[{j}]"
         if not isinstance(part, dict):
             raise _bad(f"'{at}' must be an object", at, "invalid_type")
-        if not isinstance(part.get("type", ""), str):
+        kind = part.get("type", "text")
+        if not isinstance(kind, str):
             raise _bad(f"'{at}.type' must be a string", f"{at}.type", "invalid_type")
+        if _TOKEN_RE.match(kind) is None:
+            raise _bad_name(kind, "content part type", f"{at}.type")
         if "text" in part and not isinstance(part["text"], str):
             raise _bad(f"'{at}.text' must be a string", f"{at}.text", "invalid_type")
 

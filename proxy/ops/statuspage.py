@@ -19,6 +19,9 @@ per-app sampler (`cleanup_ctx`):
 
 A client gets the whole series on connect, then only the new points. Comment
 lines (`: ping`) go out every heartbeat_s so idle proxies keep the stream.
+At most `server.max_event_watchers` streams are open at once (each costs
+every push); one more gets a 503 OpenAI error with `Retry-After` before any
+stream byte, and a slot frees as soon as a watcher leaves.
 Streams end when the client leaves or the app shuts down (`on_shutdown`, so a
 shutdown never waits for an open page).
 """
@@ -39,6 +42,7 @@ from importlib import resources
 from aiohttp import web
 
 from proxy import __version__
+from proxy.errors import error_response
 from proxy.openai.headers import SSE_HEADERS
 from proxy.ops.statusseries import Series
 from proxy.runtime.keys import STATE
@@ -96,6 +100,9 @@ _PAGE_HEADERS = {
 }
 
 _EVENT_HEADERS = {**SSE_HEADERS, "X-Content-Type-Options": "nosniff"}
+# A full house: come back after this long (a page left open holds its slot
+# until it is closed; a reload of the page frees and retakes one at once).
+WATCHERS_RETRY_AFTER_S = 10
 
 
 # -- the per-app state ---------------------------------------------------------------
@@ -111,12 +118,33 @@ class StatusPage:
     seq: int = 0  # bumped on every push (tick or change); streams wait for it to move
     closing: bool = False
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The last push's event, per series cursor: every watcher woken by one
+    # push shares one JSON encoding (it was one per watcher per push).
+    _shared: tuple[int, int, bytes, int] | None = None
+
+    def admit(self, cap: int) -> bool:
+        """Take a watcher slot if one of `cap` is free (no await between the
+        check and the count: concurrent connects cannot both take the last)."""
+        if self.clients >= cap:
+            return False
+        self.clients += 1
+        return True
 
     def push(self) -> None:
         """Wake every stream (a new point, a change, or shutdown)."""
         self.seq += 1
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
+
+    def pushed_event(self, state: ProxyState, cursor: int) -> tuple[bytes, int]:
+        """`status_event` for a watcher woken by the current push, built once
+        per push and cursor (watchers that have all points share it)."""
+        shared = self._shared
+        if shared is not None and shared[0] == self.seq and shared[1] == cursor:
+            return shared[2], shared[3]
+        payload, new_cursor = status_event(state, self, cursor)
+        self._shared = (self.seq, cursor, payload, new_cursor)
+        return payload, new_cursor
 
     async def wait_push(self, seen: int) -> None:
         """Return once `seq` has moved past `seen` (at once while closing)."""
@@ -188,11 +216,20 @@ async def page_redirect(request: web.Request) -> web.Response:
 async def events(request: web.Request) -> web.StreamResponse:
     sp = request.app[STATUS_PAGE]
     state = request.app[STATE]
-    resp = web.StreamResponse(headers=_EVENT_HEADERS)
-    await resp.prepare(request)
-    sp.clients += 1
+    cap = state.current.policy.server.max_event_watchers
+    if not sp.admit(cap):
+        return error_response(
+            503,
+            f"too many status page watchers ({cap}, server.max_event_watchers); "
+            f"retry after {WATCHERS_RETRY_AFTER_S} s",
+            type_="server_error",
+            code="too_many_watchers",
+            headers={"Retry-After": str(WATCHERS_RETRY_AFTER_S), "Cache-Control": "no-store"},
+        )
     loop = asyncio.get_running_loop()
     try:
+        resp = web.StreamResponse(headers=_EVENT_HEADERS)
+        await resp.prepare(request)
         # Reconnect after 1 s when the stream breaks; the page shows "disconnected".
         await resp.write(b"retry: 1000\n\n")
         seen = sp.seq
@@ -209,7 +246,7 @@ async def events(request: web.Request) -> web.StreamResponse:
                 break
             if sp.seq != seen:
                 seen = sp.seq
-                payload, cursor = status_event(state, sp, cursor)
+                payload, cursor = sp.pushed_event(state, cursor)
                 await resp.write(payload)
             if loop.time() >= next_ping:
                 await resp.write(b": ping\n\n")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from aiohttp import web
 
+from proxy.openai.headers import DROPPED_HEADER, dropped_value
 from proxy.policy import Priority
 from proxy.sessions.conversation import SessionContext
 
@@ -120,7 +121,7 @@ class RequestRecord:
         if self.dropped:
             dropped = self.dropped.get(backend)
             if dropped:
-                h["X-Brownout-Dropped"] = ",".join(dropped)
+                h[DROPPED_HEADER] = dropped_value(dropped)
         return h
 
     @property

@@ -65,6 +65,14 @@ class ServerPolicy:
         le=1024**3,
         unit="bytes",
     )
+    max_event_watchers: int = knob(
+        64,
+        "Open `/brownout/events` streams (status pages) at most; one more gets 503 with "
+        "`Retry-After` until one leaves (every watcher costs each push: 1,200 idle ones "
+        "moved the proxy's p99 from 13 to 177 ms).",
+        ge=1,
+        le=100_000,
+    )
     log_prompts: bool = knob(False, "Prompts and completions reach the logs only when true.")
     log_level: Literal["debug", "info", "warning", "error"] = knob(
         "info", "Log level.", restart=True
