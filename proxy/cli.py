@@ -1,4 +1,4 @@
-"""The `brownout` command line: serve, check, reload, fallback-server, make-tiny-model.
+"""The `brownout` command line: serve, check, reload, rollout, fallback-server, make-tiny-model.
 
 Heavy imports (aiohttp app, torch, transformers) happen inside each
 subcommand so `brownout check` stays fast and needs no ML stack.
@@ -95,15 +95,30 @@ def _cmd_reload(args: argparse.Namespace) -> int:
     return rc
 
 
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from proxy.ops.rolloutclient import render_rollout, request_rollout
+
+    token = args.token if args.token is not None else os.environ.get("BROWNOUT_ADMIN_TOKEN")
+    outcome = request_rollout(args.url, args.action, token, args.timeout)
+    rc, out, err = render_rollout(outcome, args.action, as_json=args.json)
+    for line in out:
+        print(line)
+    for line in err:
+        print(line, file=sys.stderr)
+    return rc
+
+
 EXIT_CODES = """\
 exit codes:
   0  success (serve and fallback-server: stopped by SIGINT or SIGTERM)
   1  check: the policy is invalid; reload: the proxy rejected the new policy
-     and keeps the running one; serve, fallback-server: cannot listen;
+     and keeps the running one; rollout: the proxy refused the action (it
+     does not apply in the rollout's state, or no candidate is configured);
+     serve, fallback-server: cannot listen;
      fallback-server: its engine died (stopped, as vLLM does)
   2  bad command line; serve: the policy is invalid (nothing started);
      fallback-server: the model does not load or a limit is out of range
-  3  reload: the proxy could not be reached or refused the request
+  3  reload, rollout: the proxy could not be reached or refused the request
      (wrong token, admin endpoints off)"""
 
 # The lines of EXIT_CODES that concern each subcommand, shown in its --help.
@@ -113,6 +128,10 @@ _SUB_EXIT_CODES = {
     "reload": (
         "0 reloaded · 1 rejected (errors printed; the running policy stays) · "
         "2 bad options · 3 unreachable or refused (token, admin off)"
+    ),
+    "rollout": (
+        "0 done (status: shown) · 1 refused: the action does not apply now, or no candidate "
+        "(the reason printed) · 2 bad options · 3 unreachable or refused (token, admin off)"
     ),
     "fallback-server": (
         "0 stopped by a signal · 1 cannot listen or the engine died · "
@@ -194,6 +213,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=30.0, help="seconds to wait for the answer"
     )
     reload.set_defaults(func=_cmd_reload)
+
+    from proxy.ops.rolloutclient import ACTIONS
+
+    rollout = sub.add_parser(
+        "rollout",
+        help="show or steer the gray release of backends.candidate (/brownout/rollout)",
+        description=(
+            "Show the gray release of backends.candidate (state, step and share, gates, "
+            "rollback reason and bundles) through GET /brownout/rollout, or act on it "
+            'through POST /brownout/rollout {"action": ...} with the admin token: start '
+            "(step 1, or the mirror), pause and resume a step, abort (all traffic back on "
+            "the primary), promote (all eligible traffic on the candidate now)."
+        ),
+    )
+    rollout.add_argument("action", nargs="?", default="status", choices=ACTIONS, help="what to do")
+    rollout.add_argument("--url", default="http://127.0.0.1:8080", help="the proxy's base URL")
+    rollout.add_argument(
+        "--token",
+        default=None,
+        help="the policy's server.admin_token (default: $BROWNOUT_ADMIN_TOKEN)",
+    )
+    rollout.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to wait for the answer"
+    )
+    rollout.add_argument(
+        "--json",
+        action="store_true",
+        help="print the proxy's JSON answer as it is (errors too) instead of the summary",
+    )
+    rollout.set_defaults(func=_cmd_rollout)
 
     fb = sub.add_parser(
         "fallback-server",

@@ -1,4 +1,5 @@
-"""`brownout reload`: ask a running proxy to re-read its policy over HTTP.
+"""The admin endpoints from the command line: `brownout reload` and the HTTP
+call `brownout rollout` shares with it (`call`).
 
 A signal needs the process id, and `pidof brownout` finds nothing for a
 Python console script (the process is `python`), so the CLI calls the admin
@@ -15,7 +16,14 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EXIT_REJECTED", "EXIT_UNREACHABLE", "ReloadOutcome", "render", "request_reload"]
+__all__ = [
+    "EXIT_REJECTED",
+    "EXIT_UNREACHABLE",
+    "ReloadOutcome",
+    "call",
+    "render",
+    "request_reload",
+]
 
 #: The proxy answered and kept its running policy (the new one is invalid).
 EXIT_REJECTED = 1
@@ -39,8 +47,24 @@ class ReloadOutcome:
 
 def request_reload(url: str, token: str | None, timeout_s: float) -> ReloadOutcome:
     """POST {url}/brownout/reload with the token; never raises for HTTP or network errors."""
+    return call(url, "/brownout/reload", token, timeout_s, method="POST", data=b"")
+
+
+def call(
+    url: str,
+    path: str,
+    token: str | None,
+    timeout_s: float,
+    *,
+    method: str = "GET",
+    data: bytes | None = None,
+) -> ReloadOutcome:
+    """One admin request (a JSON body when `data` is given); never raises for
+    HTTP or network errors: they come back as the outcome's `problem`."""
     try:
-        req = urllib.request.Request(url.rstrip("/") + "/brownout/reload", data=b"", method="POST")
+        req = urllib.request.Request(url.rstrip("/") + path, data=data, method=method)
+        if data:
+            req.add_header("Content-Type", "application/json")
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         try:

@@ -44,6 +44,7 @@ from aiohttp import web
 from proxy import __version__
 from proxy.errors import error_response
 from proxy.openai.headers import SSE_HEADERS
+from proxy.ops.rollout import rollout_status
 from proxy.ops.statusseries import Series
 from proxy.runtime.keys import STATE
 from proxy.runtime.state import ProxyState
@@ -161,6 +162,7 @@ def fingerprint(state: ProxyState) -> Hashable:
     lad = rt.ladder
     last = lad.history[-1] if lad.history else None
     ramp = lad.ramp
+    canary = rt.canary
     return (
         id(rt),
         lad.tier,
@@ -179,6 +181,15 @@ def fingerprint(state: ProxyState) -> Hashable:
             for name, up in rt.upstreams.items()
         ),
         rt.pressure.active,
+        None
+        if canary is None
+        else (
+            canary.rollout.state,
+            canary.rollout.step,
+            canary.rollout.failed_gate,
+            len(canary.bundles),
+            canary.bundle_error,
+        ),
     )
 
 
@@ -190,6 +201,8 @@ def status_event(state: ProxyState, sp: StatusPage, cursor: int | None) -> tuple
     body["now"] = round(time.time(), 3)
     # The page shows its operator panel only when the admin endpoints answer.
     body["admin"] = {"enabled": bool(state.current.policy.server.admin_token)}
+    # The rollout panel: shown only with a candidate (`configured`), with its health.
+    body["rollout"] = rollout_status(state.current)
     body["series"] = {
         "interval_s": sp.series.interval_s,
         "window_s": sp.series.window_s,

@@ -202,6 +202,18 @@ def test_ttft_alert_compares_with_a_rolling_baseline() -> None:
     assert "brownout_ttft_seconds_count" in expr  # the minimum request rate
 
 
+def test_rollback_alert_also_fires_on_a_gate_s_first_rollback() -> None:
+    """The counter's child for a gate is born with its first rollback (value 1),
+    which `increase` alone never sees; alerts_test.yml runs both cases."""
+    (rule,) = [r for r in alert_rules() if r["alert"] == "BrownoutRolloutRolledBack"]
+    expr = " ".join(rule["expr"].split())
+    assert "increase(brownout_rollout_rollbacks_total[5m]) > 0" in expr
+    assert (
+        "(brownout_rollout_rollbacks_total unless brownout_rollout_rollbacks_total offset 5m)"
+        in expr
+    )
+
+
 # -- dashboard -------------------------------------------------------------------
 
 
@@ -264,8 +276,38 @@ def test_dashboard_shows_what_operators_need() -> None:
         "brownout_upstream_kv_cache_usage_perc",
         "brownout_stream_rescues_total",
         "brownout_session_store_up",
+        # The gray release row (issue 21).
+        "brownout_rollout_state",
+        "brownout_rollout_share",
+        "brownout_rollout_gate_value",
+        "brownout_rollout_rollbacks_total",
     }
     assert not needed - used, f"dashboard lacks {needed - used}"
+
+
+def test_dashboard_has_a_gray_release_row() -> None:
+    """One row: state, share, rollbacks by gate, the gate values per arm."""
+    dash = dashboard()
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    (row,) = [r for r in rows if r["title"].startswith("Gray release")]
+    top = row["gridPos"]["y"]
+    end = min([r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > top], default=10**6)
+    below = [p for p in dash["panels"] if p["type"] != "row" and top < p["gridPos"]["y"] < end]
+    exprs = " ".join(t["expr"] for p in below for t in p["targets"])
+    for name in (
+        "brownout_rollout_state",
+        "brownout_rollout_share",
+        "brownout_rollout_rollbacks_total",
+    ):
+        assert name in exprs, name
+    arms = [
+        t["expr"] for p in below for t in p["targets"] if "brownout_rollout_gate_value" in t["expr"]
+    ]
+    assert any('arm=~"primary|candidate"' in e and "by (gate, arm)" in e for e in arms), arms
+    assert any('arm="ratio"' in e for e in arms), arms
+    (state,) = [p for p in below if "brownout_rollout_state" in p["targets"][0]["expr"]]
+    names = {v["text"] for v in state["fieldConfig"]["defaults"]["mappings"][0]["options"].values()}
+    assert names == {"idle", "mirror", "step", "paused", "complete", "rolled back", "aborted"}
 
 
 @pytest.mark.real

@@ -45,7 +45,7 @@ CONN = "document.getElementById('conn').textContent"
 # Elements the page shows or hides depending on the state. Their `hidden`
 # property says nothing about what is rendered (a CSS `display` rule beats the
 # attribute), so the tests ask the layout: is the element drawn at all?
-CONDITIONAL = ("#tier-forced", "#ramp", "#admin", "#stale-banner")
+CONDITIONAL = ("#tier-forced", "#ramp", "#admin", "#stale-banner", "#rollout")
 RENDERED = """(sel => {
   const e = document.querySelector(sel);
   if (!e) return null;
@@ -130,6 +130,7 @@ async def test_status_page_follows_tier_changes_live(
             "#ramp": False,
             "#admin": True,
             "#stale-banner": False,
+            "#rollout": False,
         }
 
         stop = asyncio.Event()
@@ -159,6 +160,7 @@ async def test_status_page_follows_tier_changes_live(
                 "#ramp": False,
                 "#admin": True,
                 "#stale-banner": False,
+                "#rollout": False,
             }
             assert await page.text("#tier-forced") == "forced: maintenance"
             assert await page.evaluate(
@@ -188,6 +190,7 @@ async def test_status_page_follows_tier_changes_live(
                 "#ramp": False,
                 "#admin": True,
                 "#stale-banner": False,
+                "#rollout": False,
             }
 
             # 4. Forced from the page's own form.
@@ -277,6 +280,7 @@ async def test_status_page_without_admin_has_no_operator_panel(
             "#ramp": False,
             "#admin": False,
             "#stale-banner": False,
+            "#rollout": False,
         }
         assert proxy.app is not None
         proxy.app[STATE].current.force_tier("maintenance")
@@ -286,6 +290,7 @@ async def test_status_page_without_admin_has_no_operator_panel(
             "#ramp": False,
             "#admin": False,
             "#stale-banner": False,
+            "#rollout": False,
         }
         assert page.problems == [], page.problems
 
