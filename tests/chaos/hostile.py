@@ -50,7 +50,7 @@ __all__ = [
 
 HOSTILE_ADDRESS = "127.0.0.2"
 PRIMARY_WINDOW_TOKENS = 1024  # the chaos vLLM's --max-model-len
-PAST_PRIMARY = 1010  # max_tokens: prompt + this no longer fits the primary's window
+PAST_PRIMARY = 1020  # max_tokens: with any prompt (≥ 11 tokens) past the primary's window
 LONG_TOKENS = 900  # a long non-stream answer the primary can give (≈ 3 s idle)
 POISON = 1e-300
 
