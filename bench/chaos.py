@@ -1,4 +1,4 @@
-"""`make chaos`: the seven chaos drills with the issue's durations.
+"""`make chaos`: the eight chaos drills with the issue's durations.
 
 Real vLLM CPU server as primary, the real Transformers fallback server, a
 real Redis for sessions, nginx (nginx/brownout.conf) in front, `brownout
@@ -8,16 +8,18 @@ sessions. Faults, one drill each:
     1 kill the vLLM engine process mid-load        5 kill the fallback during failover
     2 SIGSTOP the vLLM worker for 20 s              6 a 10× overload burst
     3 kill the vLLM API server, restart after 30 s  7 a broken policy pushed by reload
-    4 stop Redis for 20 s
+    4 stop Redis for 20 s                           8 a hostile client (issue 20)
 
 For each: requests sent, complete answers, answers rescued mid-stream,
 explicit errors, truncated answers presented as success (must be 0), hung
 requests (must be 0), time to detect, time back to normal, tier timeline,
-lost session turns (must be 0). Writes bench/results/chaos.md; exits 1 when a
-drill breaks one of its rules. The machinery lives in tests/chaos/ (the
-short version runs in `make test`).
+lost session turns (must be 0); drill 8 also the share of the other clients'
+requests answered normally (goal 100 %), the hostile requests by status and
+error code, and the attribution and breaker counters. Writes
+bench/results/chaos.md; exits 1 when a drill breaks one of its rules. The
+machinery lives in tests/chaos/ (the short version runs in `make test`).
 
-    .venv/bin/python bench/chaos.py [--drills 1,4,7] [--short] [--out FILE]
+    .venv/bin/python bench/chaos.py [--drills 1,4,7 | --only hostile] [--short] [--out FILE]
 """
 
 from __future__ import annotations
@@ -123,12 +125,21 @@ async def run_all(stack: Stack, keys: list[str], d: Durations) -> list[DrillResu
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drills", default="1,2,3,4,5,6,7", help="drill numbers, comma-separated")
+    ap.add_argument(
+        "--drills",
+        default=",".join(str(s.number) for s in DRILLS.values()),
+        help="drill numbers, comma-separated",
+    )
+    ap.add_argument(
+        "--only",
+        choices=sorted(DRILLS),
+        help="run this one drill (by name; overrides --drills)",
+    )
     ap.add_argument("--short", action="store_true", help="the short durations of `make test`")
     ap.add_argument("--out", type=Path, default=RESULTS / "chaos.md")
     args = ap.parse_args(argv)
     by_number = {s.number: k for k, s in DRILLS.items()}
-    keys = [by_number[int(n)] for n in args.drills.split(",")]
+    keys = [args.only] if args.only else [by_number[int(n)] for n in args.drills.split(",")]
     d = SHORT if args.short else LONG
     started = time.monotonic()
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from tests.chaos.hostile import HostileSummary
 from tests.chaos.scenarios import DrillResult, Durations
 
-__all__ = ["render", "summary_table"]
+__all__ = ["hostile_section", "render", "summary_table"]
 
 
 def _s(x: float | None) -> str:
@@ -48,6 +49,58 @@ def summary_table(results: Sequence[DrillResult]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def _labels(labels: str) -> str:
+    return labels.strip("{}").replace('"', "") or "-"
+
+
+def hostile_section(h: HostileSummary) -> str:
+    """Drill 8's own figures: everyone else, the hostile client, the counters."""
+    share = f"{h.others_share:.1%}" if h.others_total else "—"
+    out = [
+        "**Other clients** (the load, requests that ended during and after the hostile "
+        f"client): **{h.others_normal} of {h.others_total} answered normally = {share}** "
+        f"(goal 100 %); of those {h.others_fallback} by the fallback."
+        + (f" Not normal: {h.others_bad}." if h.others_bad else ""),
+        "",
+        f"**Hostile client** (127.0.0.2 through nginx): {sum(h.hostile_verdicts.values())} "
+        "requests; "
+        + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(h.hostile_verdicts.items()))
+        + " (answer: a valid answer; clear error: an OpenAI error object with a 4xx, 502 or "
+        "504, or in-band in a stream; bad: a 500, a broken reply, or none within the "
+        "client's timeout).",
+        "",
+        "| hostile kind | answers by status and error code |",
+        "|---|---|",
+    ]
+    out.extend(
+        f"| `{k}` | " + ", ".join(f"{lab} × {n}" for lab, n in sorted(v.items())) + " |"
+        for k, v in h.hostile_by_kind.items()
+    )
+    slow, longs, longest = h.slow_non_stream
+    out.append(
+        f"\nLong non-stream answers that took longer than the primary's first_byte_s "
+        f"({h.first_byte_s:g} s; before issue 20 each was a backend fault): {slow} of "
+        f"{longs} answered (longest {longest:.1f} s)."
+    )
+    seen = "; ".join(f"{k}: {', '.join(v)}" for k, v in h.breakers_seen.items())
+    out.append(f"\nBackend states seen in /brownout/status (health/breaker): {seen or '—'}.")
+    if h.bad_examples:
+        out.append("\nHostile requests without a clear error:\n")
+        out.extend(f"- {e}" for e in h.bad_examples)
+    out.append("\nCounters during the drill (deltas of the proxy's /metrics):\n")
+    if h.metrics:
+        out.append("| counter | labels | Δ |\n|---|---|---:|")
+        for fam, series in sorted(h.metrics.items()):
+            out.extend(f"| `{fam}` | {_labels(lab)} | {v:g} |" for lab, v in sorted(series.items()))
+    else:
+        out.append("(none moved)")
+    if not h.metrics.get("brownout_breaker_transitions_total"):
+        out.append(
+            "\n`brownout_breaker_transitions_total`: no change (both breakers stayed closed)."
+        )
+    return "\n".join(out) + "\n"
+
+
 def _drill_section(r: DrillResult) -> str:
     c, s = r.counts, r.sessions
     out = [f"## {r.number}. {r.title}\n"]
@@ -78,6 +131,8 @@ def _drill_section(r: DrillResult) -> str:
     out.append("| metric | value |\n|---|---:|")
     out.extend(f"| {k} | {v} |" for k, v in rows if v != "")
     out.append("")
+    if r.hostile is not None:
+        out.append(hostile_section(r.hostile))
     if r.phases:
         out.append(
             "| stretch | length | complete answers | of which maintenance | failed | answers/s |"

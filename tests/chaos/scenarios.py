@@ -1,4 +1,4 @@
-"""The seven drills, how one is run, and what it must show.
+"""The eight drills, how one is run, and what it must show.
 
 Each drill: a steady load (N clients, one session each) runs through nginx;
 after a warm-up the fault is injected (`DrillContext.fault`), held, then
@@ -46,6 +46,14 @@ from tests.chaos.drill import (
     session_key,
     wait_status,
 )
+from tests.chaos.hostile import (
+    HostileClient,
+    HostileReq,
+    HostileSummary,
+    hostile_policy,
+    metric_values,
+    summarize,
+)
 from tests.harness.procs import is_alive
 
 __all__ = [
@@ -79,6 +87,11 @@ class Durations:
     burst_s: float = 30.0
     burst_factor: int = 10
     reload_gap_s: float = 5.0
+    hostile_s: float = 60.0  # the hostile client's sending window
+    hostile_first_byte_s: float = 4.0  # the primary's, in drill 8 (a long answer outlives it)
+    hostile_total_s: float = 30.0  # timeouts.total_s of both backends, in drill 8
+    hostile_enum: int = 100_000  # entries of the hostile enum schema
+    hostile_burst: int = 4  # poison requests at once (retry amplification)
 
 
 LONG = Durations()
@@ -91,6 +104,7 @@ SHORT = Durations(
     failover_hold_s=3.0,
     redis_down_s=4.0,
     reload_gap_s=2.0,
+    hostile_s=20.0,
 )
 
 
@@ -110,6 +124,15 @@ class Fault:
 class Mark:
     t: float
     text: str
+
+
+@dataclass
+class HostileRun:
+    """What drill 8 leaves for `run_drill` to sum up once the load stopped."""
+
+    records: list[HostileReq]
+    metrics_before: dict[str, dict[str, float]]
+    first_byte_s: float
 
 
 class DrillError(Exception):
@@ -137,6 +160,7 @@ class DrillContext:
         self.removed_at: float | None = None
         self.notes: list[str] = []
         self.facts: dict[str, Any] = {}
+        self.hostile: HostileRun | None = None
 
     def fault(
         self, label: str, detect: Literal["tier", "store", "reload", "none"] = "tier"
@@ -174,6 +198,24 @@ class DrillContext:
 
     async def sleep_until(self, t: float) -> None:
         await asyncio.sleep(max(0.0, t - time.time()))
+
+    async def metrics(self) -> dict[str, dict[str, float]]:
+        """The proxy's attribution and breaker counters, scraped now."""
+        async with self.http.get(self.stack.proxy.url + "/metrics") as resp:
+            return metric_values(await resp.text())
+
+    async def reload(self, text: str, what: str) -> bool:
+        """Write a policy, SIGHUP, wait until the proxy reports it loaded."""
+        t = time.time()
+        self.stack.write_policy(text)
+        self.stack.proxy.sighup()
+        s = await self.timeline.wait_for(
+            lambda s: s.reload_at is not None and s.reload_at >= t - 0.5 and s.reload_ok is True,
+            10,
+        )
+        if s is None:
+            self.note(f"{what}: the reload was not reported ok within 10 s")
+        return s is not None
 
     async def admin(self, path: str) -> tuple[int, Any]:
         async with self.http.post(
@@ -397,6 +439,38 @@ async def drill_broken_reload(ctx: DrillContext) -> None:
     ctx.removed("good policy reloaded (ok)")
 
 
+async def drill_hostile(ctx: DrillContext) -> None:
+    """8. A hostile client (its own address) sends poison sampling values, hostile
+    schemas, long non-streaming answers and bursts of them while the load runs."""
+    d, stack = ctx.d, ctx.stack
+    good = stack.policy_text()
+    fb = d.hostile_first_byte_s
+    await ctx.reload(hostile_policy(good, fb, d.hostile_total_s), "the drill's policy")
+    ctx.info(
+        f"drill policy: primary first_byte_s {fb:g} s, timeouts.total_s "
+        f"{d.hostile_total_s:g} s on both backends"
+    )
+    before = await ctx.metrics()
+    async with HostileClient(
+        stack.api_url, enum_entries=d.hostile_enum, burst=d.hostile_burst
+    ) as hostile:
+        ctx.hostile = HostileRun(hostile.records, before, fb)
+        await ctx.mid_stream()
+        ctx.fault(
+            f"hostile client (127.0.0.2 through nginx) for {d.hostile_s:.0f} s: poison "
+            f"sampling values, hostile schemas, long non-stream answers, bursts of "
+            f"{d.hostile_burst}",
+            detect="none",
+        )
+        hostile.start()
+        await asyncio.sleep(d.hostile_s)
+        hostile.halt()
+        ctx.info(f"hostile client stops sending ({len(hostile.records)} answered so far)")
+        await hostile.stop()
+    ctx.removed(f"the hostile client's last request ended ({len(hostile.records)} in all)")
+    await ctx.reload(good, "the good policy back")
+
+
 # --------------------------------------------------------------------------- expectations
 
 
@@ -462,6 +536,35 @@ def _expect_reload(r: DrillResult) -> list[str]:
     return out
 
 
+def _expect_hostile(r: DrillResult) -> list[str]:
+    h = r.hostile
+    if h is None:
+        return ["no hostile-client figures"]
+    out = []
+    if h.others_normal < h.others_total:
+        out.append(
+            f"{h.others_total - h.others_normal} of {h.others_total} other clients' requests "
+            f"during and after the hostile client were not answered normally: {h.others_bad}"
+        )
+    opened = h.metrics.get("brownout_breaker_transitions_total")
+    if opened:
+        out.append(f"breaker transitions: {opened}")
+    seen = {k: v for k, v in h.breakers_seen.items() if v != ["up/closed"]}
+    if seen:
+        out.append(f"backend states (health/breaker) seen in /brownout/status: {seen}")
+    past = [t["to"] for t in r.transitions if t["to"] not in ("normal", "throttle")]
+    if past:
+        out.append(f"the hostile client moved the tier to {', '.join(past)}")
+    if not h.hostile_verdicts:
+        out.append("the hostile client got no answer at all")
+    if h.hostile_verdicts.get("bad"):
+        out.append(
+            f"{h.hostile_verdicts['bad']} hostile requests got no clear error "
+            f"(a 500, a broken reply or none): {h.bad_examples}"
+        )
+    return out
+
+
 DRILLS: dict[str, DrillSpec] = {
     s.key: s
     for s in (
@@ -477,6 +580,8 @@ DRILLS: dict[str, DrillSpec] = {
         DrillSpec(6, "overload", "A 10× overload burst", drill_overload, _expect_overload),
         DrillSpec(7, "broken_reload", "A broken policy pushed by reload mid-load",
                   drill_broken_reload, _expect_reload),
+        DrillSpec(8, "hostile", "A hostile client: poison parameters, hostile schemas, "
+                  "long non-stream answers", drill_hostile, _expect_hostile),
     )
 }  # fmt: skip
 
@@ -523,6 +628,7 @@ class DrillResult:
     failure: str | None = None
     problems: list[str] = field(default_factory=list)
     records: list[Req] = field(default_factory=list, repr=False)
+    hostile: HostileSummary | None = None
 
     @property
     def t0(self) -> float:
@@ -814,6 +920,19 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
         failure=failure,
         records=records,
     )
+    if ctx.hostile is not None:
+        hr = ctx.hostile
+        result.hostile = summarize(
+            hr.records,
+            [r for r in records if r.ended >= t_fault],
+            hr.metrics_before,
+            await ctx_metrics(stack),
+            hr.first_byte_s,
+            breakers_seen={
+                "primary": sorted({s.primary for s in samples if s.primary}),
+                "fallback": sorted({s.fallback for s in samples if s.fallback}),
+            },
+        )
     handlers, slots, queued = _busy(final)
     result.facts["idle_after_load"] = (
         f"handlers {handlers}, admission slots {slots}, queued {queued}"
@@ -829,6 +948,14 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
             f"not idle after the load stopped: {result.facts['idle_after_load']}"
         )
     return result
+
+
+async def ctx_metrics(stack: Stack) -> dict[str, dict[str, float]]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+        http.get(stack.proxy.url + "/metrics") as resp,
+    ):
+        return metric_values(await resp.text())
 
 
 def _problems(r: DrillResult, spec: DrillSpec) -> list[str]:

@@ -1,6 +1,7 @@
-"""The chaos drills, short: a broken reload, a Redis stop, an engine kill.
+"""The chaos drills, short: a broken reload, a Redis stop, an engine kill, a
+hostile client.
 
-The full set (all seven, with the issue's durations) is `make chaos`
+The full set (all eight, with the issue's durations) is `make chaos`
 (bench/chaos.py → bench/results/chaos.md). Here each drill runs for seconds
 on one shared stack and must show: no truncated answer presented as
 success, no hung request, no lost session turn, a return to normal, and its
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.drill import Stack
-from tests.chaos.report import summary_table
+from tests.chaos.report import hostile_section, summary_table
 from tests.chaos.scenarios import DRILLS, SHORT, DrillResult, run_drill
 from tests.harness.vllm import VLLMServer
 
@@ -69,3 +70,17 @@ async def test_engine_kill_mid_load(chaos_stack: Stack) -> None:
     result = await run_drill(chaos_stack, DRILLS["engine_kill"], SHORT)
     check(result, chaos_stack)
     assert result.backends.get("fallback", 0) > 0, "nothing was served by the fallback"
+
+
+async def test_hostile_client_under_load(chaos_stack: Stack) -> None:
+    """Issue 20: one client's poison parameters, hostile schemas, long
+    non-stream answers and bursts of them leave everyone else's answers,
+    both breakers and the tier alone, and get clear errors themselves."""
+    result = await run_drill(chaos_stack, DRILLS["hostile"], SHORT)
+    assert result.hostile is not None
+    print("\n" + hostile_section(result.hostile))
+    check(result, chaos_stack)
+    h = result.hostile
+    assert h.others_total > 0 and h.others_normal == h.others_total
+    assert sum(h.hostile_verdicts.values()) > 0
+    assert not h.metrics.get("brownout_breaker_transitions_total")
