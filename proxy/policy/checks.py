@@ -203,6 +203,9 @@ def rollout_checks(policy: Policy, bad: Callable[..., None]) -> None:
     for p in r.priorities:
         if p not in PRIORITIES:
             bad("rollout.priorities", f"unknown priority {p!r} (one of {', '.join(PRIORITIES)})")
+    for g in r.gates.advance_on:
+        if g not in ("ttft_ratio", "p99_ratio"):
+            bad("rollout.gates.advance_on", f"unknown ratio gate {g!r} (ttft_ratio, p99_ratio)")
     if r.advance_window is not None and not _WINDOW_RE.match(r.advance_window):
         bad("rollout.advance_window", f'must be "HH:MM-HH:MM", got {r.advance_window!r}')
     try:

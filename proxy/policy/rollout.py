@@ -64,6 +64,12 @@ class GatesPolicy:
         unit="ratio",
     )
     window_s: float = knob(300.0, "Sliding window the gates judge.", gt=0)
+    advance_on: tuple[str, ...] = knob(
+        ("ttft_ratio", "p99_ratio"),
+        "Ratio gates that must pass before a step advances; one left out still rolls back "
+        "when it is confidently failing (a p99 needs about 437 requests per arm in the "
+        "window before it can pass: leave it out for low traffic).",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,9 @@ from proxy.control.rollout import (
     random_bucket,
 )
 from proxy.openai.auth import bearer_token
-from proxy.policy import Policy
+from proxy.policy import Policy, PolicyError
+from proxy.policy.evalset import evalset_path, load_evalset
+from proxy.runtime.evalrun import run_eval
 from proxy.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -74,6 +76,10 @@ class Canary:
         self.spawn = spawn
         self.publish = publish  # to the other replicas (ladder.shared)
         self._following = False
+        self._eval_path = evalset_path(policy)
+        self._eval_due = False  # at the start and at each step (both arms)
+        self._eval_running = False
+        self.evals: dict[str, dict[str, Any]] = {}
         self.dir = Path(rp.snapshot_dir)
         self.rollout = Rollout(rp, clock, self._on_event, wall=time.time)
         self.gates = Gates(rp.gates, quality_required=rp.eval is not None)
@@ -218,11 +224,15 @@ class Canary:
 
     # -- each window -----------------------------------------------------------------
 
-    def tick(self, cand: Upstream | None) -> None:
+    def tick(self, cand: Upstream | None, primary: Upstream | None = None) -> None:
         ro = self.rollout
         if ro.state not in RUNNING:
             return
         now = self.clock()
+        if self._eval_due and not self._eval_running and primary is not None and cand is not None:
+            self._eval_due = False
+            self._eval_running = True
+            self.spawn(self._run_eval(primary, cand), "rollout_eval")
         if cand is None:
             self.roll_back(self.gates.unhealthy(now, "backends.candidate is gone"))
             return
@@ -239,7 +249,16 @@ class Canary:
             self.roll_back(report.failed)
             return
         self._timeline("gates", now, report=report.as_dict())
-        ro.tick(now, report.ready or self._last_step_without_baseline(report))
+        ro.tick(now, self._ready(report) or self._last_step_without_baseline(report))
+
+    def _ready(self, report: GateReport) -> bool:
+        """Every gate passes, but a ratio gate left out of `gates.advance_on`,
+        which may still wait (it rolls back only when confidently failing)."""
+        optional = {"ttft_ratio", "p99_ratio"} - set(self.policy.gates.advance_on)
+        return report.failed is None and all(
+            g.verdict == "pass" or (g.gate in optional and g.verdict == "wait")
+            for g in report.gates
+        )
 
     def _last_step_without_baseline(self, report: GateReport) -> bool:
         """At the last step (all eligible traffic on the candidate) the primary
@@ -262,6 +281,34 @@ class Canary:
             for g in report.gates
         )
 
+    async def _run_eval(self, primary: Upstream, cand: Upstream) -> None:
+        """The eval set against both arms (low priority, never shown to users);
+        its scores are the quality gate's."""
+        try:
+            path = self._eval_path
+            if path is None:
+                return
+            try:
+                evalset = await asyncio.to_thread(load_evalset, path)
+            except (PolicyError, OSError) as exc:
+                self.evals["error"] = {"error": str(exc)}
+                log.error("rollout_eval_unreadable", path=str(path), error=str(exc))
+                return
+            t = self.policy.eval_timeout_s
+            base, new = await asyncio.gather(
+                run_eval(evalset, primary, timeout_s=t), run_eval(evalset, cand, timeout_s=t)
+            )
+            now = self.clock()
+            for arm, result in (("primary", base), ("candidate", new)):
+                self.gates.quality(arm, result.passed, result.total, now)  # type: ignore[arg-type]
+                self.evals[arm] = result.as_dict()
+            self._timeline("eval", now, primary=base.score, candidate=new.score)
+            log.info(
+                "rollout_eval", primary=base.score, candidate=new.score, step=self.rollout.step
+            )
+        finally:
+            self._eval_running = False
+
     def roll_back(self, gate: GateValue) -> None:
         ro = self.rollout
         now = self.clock()
@@ -270,6 +317,8 @@ class Canary:
             return
         self.metrics.rollout_rollbacks.labels(gate.gate).inc()
         report = self.gates.evaluate(now)
+        self.report = report
+        self._gauges(report)
         verdict = {
             "rollout_id": ro.rollout_id,
             "gate": gate.gate,
@@ -315,6 +364,8 @@ class Canary:
     # -- events, state, status ------------------------------------------------------------
 
     def _on_event(self, ev: RolloutEvent) -> None:
+        if ev.kind in ("started", "step", "mirror_done") and self._eval_path is not None:
+            self._eval_due = True
         self.metrics.rollout_state.set(STATE_VALUES[ev.state])
         self.metrics.rollout_share.set(ev.share)
         self._timeline(
@@ -401,6 +452,7 @@ class Canary:
         snap = self.rollout.snapshot()
         snap["gates"] = self.report.as_dict() if self.report is not None else None
         snap["bundles"] = list(self.bundles)
+        snap["eval"] = dict(self.evals) or None
         snap["bundle_error"] = self.bundle_error
         snap["state_error"] = self.state_error
         snap["snapshot_dir"] = str(self.dir)

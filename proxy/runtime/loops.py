@@ -85,7 +85,7 @@ class Evaluator:
                         self._probing[key] = task
         rt.evaluate(window=True)
         if rt.canary is not None:
-            rt.canary.tick(rt.upstreams.get("candidate"))
+            rt.canary.tick(rt.upstreams.get("candidate"), rt.upstreams.get("primary"))
 
     def probing(self) -> list[str]:
         return sorted(t.get_name() for t in self._probing.values())

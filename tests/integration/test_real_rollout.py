@@ -60,6 +60,7 @@ async def test_the_migration_from_transformers_to_vllm_steps_through_the_gates(
                     "ttft_ratio_max": 100,
                     "p99_ratio_max": 100,
                     "window_s": 600,
+                    "advance_on": ["ttft_ratio"],
                 },
             },
         }
