@@ -213,6 +213,7 @@ async def test_an_oom_on_the_candidate_rolls_back_at_once_and_no_client_sees_it(
     # Everything new goes to the primary.
     for i in range(5):
         assert (await ask(proxy, f"u{i}"))[1] == "primary"
+
     def bundles() -> list[Path]:  # not the temporary directory it is written in
         return [p.parent for p in tmp_path.glob("*/verdict.json") if p.parent.name[0] != "."]
 
