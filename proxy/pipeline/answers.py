@@ -22,6 +22,8 @@ _SHED_MESSAGES = {
     "deadline": "the service is under load: the expected wait exceeds the queue deadline",
     "queue_timeout": "the service is under load: no slot freed up before the deadline",
     "evicted": "the service is under load: a higher-priority request took this slot",
+    "client_limit": "this client already holds its share of the engine's slots "
+    "(ladder.throttle.max_inflight_per_client)",
 }
 
 

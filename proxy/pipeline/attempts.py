@@ -309,11 +309,22 @@ async def attempt(
     rt = rec.rt
     # The proxy holds the line in front of the engine (vLLM never says 429).
     # (Admission inline, not a wrapper: one coroutine frame less per request.)
-    admit = up.name == "primary" and rt.policy.ladder.throttle.enabled
+    throttle = rt.policy.ladder.throttle
+    admit = up.name == "primary" and throttle.enabled
+    client = ""
     if admit:
+        cap = throttle.max_inflight_per_client
+        if cap:
+            # One client's share of the engine's slots (chaos drill 8: one
+            # client's long answers held them all and the others were shed).
+            client = inbox.client
+            if not rt.client_slots.take(client, cap):
+                return shed(rec, inbox, Rejected("client_limit", 1))
         try:
             await rt.admission.acquire(rec.priority)
         except Rejected as r:
+            if client:
+                rt.client_slots.give(client)
             return shed(rec, inbox, r)
     try:
         # One deadline for preparing the request (trimming may count tokens on
@@ -391,3 +402,5 @@ async def attempt(
     finally:
         if admit:
             rt.admission.release()
+            if client:
+                rt.client_slots.give(client)

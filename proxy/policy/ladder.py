@@ -37,6 +37,12 @@ class ThrottlePolicy(AdmissionPolicy):
     mode: Literal["fixed", "adaptive"] = knob(
         "adaptive", "How the throttle tier sets the limit: `fixed` or `adaptive` (AIMD)."
     )
+    max_inflight_per_client: int = knob(
+        0,
+        "Admission slots one client (API key, else the address nginx saw, else the peer) "
+        "may hold at once; over it a request is shed (429 `client_limit`); 0 = no cap.",
+        ge=0,
+    )
     throttled_limit: int = knob(
         8, "The limit in the throttle tier when `mode: fixed` (≤ max_inflight then).", ge=1
     )

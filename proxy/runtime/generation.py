@@ -24,6 +24,7 @@ from proxy.backends.upstream import ProbeMisconfigured, Upstream
 from proxy.control.admission import Admission
 from proxy.control.attribution import Held, Ledger
 from proxy.control.breaker import STATE_VALUES, BackendBreaker, Permit
+from proxy.control.clientslots import ClientSlots
 from proxy.control.ladder import TIERS, Destination, Ladder, Signals, Tier, Transition
 from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
@@ -66,6 +67,7 @@ class Runtime:
         throttle = pol.ladder.throttle
         self.pressure = PressureMonitor(throttle, self.clock)
         self.admission = Admission(throttle, self.clock, self._on_queue_wait)
+        self.client_slots = ClientSlots()
         self.key_grants = parse_key_priorities(throttle.key_priorities)
         self.default_grant = Grant(throttle.default_priority, throttle.default_priority)
         m = self.metrics
@@ -132,6 +134,7 @@ class Runtime:
             new.ramp = old.ramp
         throttle = self.policy.ladder.throttle
         self.admission = prev.admission
+        self.client_slots = prev.client_slots
         self.admission.policy = throttle
         if prev.policy.ladder.throttle.max_inflight != throttle.max_inflight:
             self.admission.set_limit(throttle.max_inflight)

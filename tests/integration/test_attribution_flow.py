@@ -303,3 +303,33 @@ async def test_a_stalled_engine_behind_a_non_streaming_request_fails_over_at_fir
     took = asyncio.get_running_loop().time() - t0
     assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
     assert took < 10  # first_byte_s 2 + the probe's 2, not total_s 600
+
+
+async def test_one_client_holds_at_most_its_share_of_the_engines_slots(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """ladder.throttle.max_inflight_per_client 2: a third long request of
+    one client is shed (429 client_limit) while another client (its own
+    X-Forwarded-For through a loopback proxy) still gets a slot."""
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await release.wait()
+        return await fallback_answer(request)
+
+    fake_upstream.handlers[CHAT] = slow
+    extra = {"ladder": {"throttle": {"max_inflight_per_client": 2, "max_inflight": 8}}}
+    proxy = await start_proxy(policy(fake_upstream.url, None, extra=extra))
+    hostile = {"X-Forwarded-For": "6.6.6.6"}
+    held = [asyncio.create_task(post(proxy, PLAIN, **hostile)) for _ in range(2)]
+    await wait_until(lambda: len([p for p, _, _ in fake_upstream.requests if p == CHAT]) == 2)
+    status, headers, body = await post(proxy, PLAIN, **hostile)
+    assert status == 429 and "max_inflight_per_client" in body["error"]["message"]
+    assert headers["Retry-After"] == "1"
+    other = asyncio.create_task(post(proxy, PLAIN, **{"X-Forwarded-For": "10.0.0.1"}))
+    await wait_until(lambda: len([p for p, _, _ in fake_upstream.requests if p == CHAT]) == 3)
+    release.set()
+    assert (await other)[0] == 200
+    assert [(await t)[0] for t in held] == [200, 200]
+    assert proxy.app[STATE].current.client_slots.held == {}
