@@ -483,3 +483,34 @@ async def test_a_candidate_that_fails_the_eval_set_rolls_back(
     assert snap["eval"]["candidate"]["score"] == 1 / 3
     asked = [json.loads(b) for p, _, b in candidate_upstream.requests if p == CHAT]
     assert [a["messages"][0]["content"] for a in asked] == ["Who are you?", "Again?"]
+
+
+async def test_a_candidate_with_a_worse_p99_rolls_back(
+    fake_upstream: FakeUpstream,
+    candidate_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    tmp_path: Path,
+) -> None:
+    """A p99 interval needs ~437 samples per arm: under load the candidate's
+    slower tail (every answer 40 ms vs ~0) is judged confidently worse and
+    rolled back; the time from enough samples to the rollback is one window."""
+    fake_upstream.handlers[CHAT] = streaming("primary", 0.0)
+    candidate_upstream.handlers[CHAT] = streaming("candidate", 0.04)
+    pol = rollout_policy(fake_upstream.url, candidate_upstream.url, tmp_path, step_s=3600)
+    proxy = await start_proxy(pol)
+    await act(proxy, "start")
+    sem = asyncio.Semaphore(16)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await ask(proxy, f"p-{i}", stream=False)
+
+    t0 = time.monotonic()
+    i = 0
+    while (await state(proxy))["state"] == "step":
+        assert time.monotonic() - t0 < 60, await state(proxy)
+        await asyncio.gather(*(one(i + k) for k in range(200)))
+        i += 200
+    snap = await state(proxy)
+    assert snap["state"] == "rolled_back"
+    assert snap["failed_gate"] == "p99_ratio", snap
