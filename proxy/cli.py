@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reload.set_defaults(func=_cmd_reload)
 
-    from proxy.ops.rolloutclient import ACTIONS
+    ACTIONS = ("status", "start", "pause", "resume", "abort", "promote")
 
     rollout = sub.add_parser(
         "rollout",
