@@ -16,6 +16,20 @@ vLLM queues without bound and never says 429, so the proxy holds the line:
 `Retry-After` = ⌈(queued + 1) ÷ drain rate⌉ seconds, clamped to 1–60 (so
 clients come back when there is room, not all at once).
 
+Fair share (`fair_share`, on by default): each request carries its client's
+identity (`proxy.ingress.identity`), and the pool counts the slots each
+client holds. Nothing changes while a slot is free. When requests wait, a
+freed slot goes, within the highest waiting priority, to the waiter whose
+client holds the fewest slots (first-in first-out among equals: with one
+client this is plain FIFO) — max-min fairness, so a client that grabbed the
+pool while it was idle gives slots back to the others as its requests end,
+down to its share, ⌈limit ÷ clients holding or waiting⌉. A full queue sheds
+the newest waiter of the client holding the most slots before it refuses a
+request from a client under its share. And the wait of a request whose
+client already held its share when it queued (its own excess demand, while
+other clients also want the engine) is not reported as engine pressure: one
+client's long answers must not throttle everybody (chaos drill 8).
+
 The drain rate is measured on busy time only, by Little's law: slots ÷ mean
 service time, where the mean service time is the slot-seconds spent in
 flight ÷ completions, both averaged over the last `DRAIN_WINDOW_S` seconds
@@ -56,6 +70,8 @@ class _Waiter:
     priority: Priority
     future: asyncio.Future[None]
     enqueued: float
+    client: str
+    counts: bool  # its wait is evidence of engine pressure (see the module text)
 
 
 class Admission:
@@ -65,7 +81,7 @@ class Admission:
         self,
         policy: AdmissionPolicy,
         clock: Callable[[], float],
-        on_wait: Callable[[float], None] | None = None,
+        on_wait: Callable[[float, bool], None] | None = None,
     ) -> None:
         self.policy = policy
         self.clock = clock
@@ -73,6 +89,7 @@ class Admission:
         self.limit = policy.max_inflight
         self.inflight = 0
         self.shed_sheddable = False  # set by the throttle tier
+        self.held: dict[str, int] = {}  # slots held per client identity
         self._queues: dict[Priority, collections.deque[_Waiter]] = {
             p: collections.deque() for p in PRIORITIES
         }
@@ -130,21 +147,30 @@ class Admission:
 
     # -- admission ---------------------------------------------------------------
 
-    async def acquire(self, priority: Priority) -> None:
-        """Wait for a slot or raise Rejected."""
+    async def acquire(self, priority: Priority, client: str = "") -> None:
+        """Wait for a slot or raise Rejected. `client` is the request's
+        identity for the fair share (every request of one client: same string)."""
         if self.shed_sheddable and priority == "sheddable":
             raise Rejected("shed", self.retry_after())
         if self.inflight < self.limit and (not self._queued or not self._ahead_of(priority)):
-            self._take()
+            self._take(client)
             return
-        if self._queued >= self.policy.queue_size and not self._evict_below(priority):
+        fair = self.policy.fair_share
+        share, clients = self.share(client) if fair else (self.limit, 1)
+        mine = self.held.get(client, 0)
+        if (
+            self._queued >= self.policy.queue_size
+            and not self._evict_below(priority)
+            and not (fair and mine < share and self._evict_heaviest(priority, client, share))
+        ):
             raise Rejected("queue_full", self.retry_after())
-        position = self._position(priority)
+        position = self._position(priority, client if fair else None)
         rate = self.drain_rate()
         if rate > 0 and (position + 1) / rate > self.policy.queue_timeout_s:
             raise Rejected("deadline", self.retry_after(position))
         loop = asyncio.get_running_loop()
-        w = _Waiter(priority, loop.create_future(), self.clock())
+        counts = clients < 2 or mine < share
+        w = _Waiter(priority, loop.create_future(), self.clock(), client, counts)
         self._queues[priority].append(w)
         self._queued += 1
         try:
@@ -161,16 +187,32 @@ class Admission:
         except asyncio.CancelledError:
             # The client left while waiting; if a slot was just handed over, give it back.
             if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
-                self.release()
+                self.release(client)
             else:
                 self._remove(w)
             raise
         if self.on_wait is not None:
-            self.on_wait(self.clock() - w.enqueued)
+            self.on_wait(self.clock() - w.enqueued, w.counts)
 
-    def release(self) -> None:
+    def share(self, client: str) -> tuple[int, int]:
+        """(⌈limit ÷ clients⌉, clients): the fair share of one client, counting
+        the clients holding slots or waiting, and `client` itself."""
+        who = set(self.held)
+        for q in self._queues.values():
+            who.update(w.client for w in q)
+        who.add(client)
+        n = len(who)
+        return max(1, -(-self.limit // n)), n
+
+    def release(self, client: str = "") -> None:
         self._advance()
         self.inflight -= 1
+        held = self.held
+        n = held.get(client, 0) - 1
+        if n > 0:
+            held[client] = n
+        else:
+            held.pop(client, None)
         self._done += 1.0
         self._wake()
 
@@ -181,19 +223,35 @@ class Admission:
                 return
             if w.future.done():  # timed out or cancelled meanwhile
                 continue
-            self._take()
+            self._take(w.client)
             w.future.set_result(None)
 
-    def _take(self) -> None:
+    def _take(self, client: str) -> None:
         self._advance()
         self.inflight += 1
+        held = self.held
+        held[client] = held.get(client, 0) + 1
 
     def _pop(self) -> _Waiter | None:
         for p in PRIORITIES:
             q = self._queues[p]
             if q:
                 self._queued -= 1
-                return q.popleft()
+                if len(q) == 1 or not self.policy.fair_share:
+                    return q.popleft()
+                # Max-min fairness: the waiter whose client holds the fewest
+                # slots (the first of them); a scan, only while requests wait.
+                held = self.held
+                best, fewest = 0, held.get(q[0].client, 0)
+                for i, w in enumerate(q):
+                    n = held.get(w.client, 0)
+                    if n < fewest:
+                        best, fewest = i, n
+                        if n == 0:
+                            break
+                w = q[best]
+                del q[best]
+                return w
         return None
 
     def _remove(self, w: _Waiter) -> None:
@@ -207,8 +265,17 @@ class Admission:
         """Someone of the same or higher priority is already waiting."""
         return any(self._queues[p] for p in PRIORITIES[: RANK[priority] + 1])
 
-    def _position(self, priority: Priority) -> int:
-        return sum(len(self._queues[p]) for p in PRIORITIES[: RANK[priority] + 1])
+    def _position(self, priority: Priority, client: str | None = None) -> int:
+        """Waiters served before a new request of `priority` (of `client`,
+        under the fair share: at its own priority only those whose client
+        holds no more slots than `client` does)."""
+        higher = PRIORITIES[: RANK[priority]]
+        ahead = sum(len(self._queues[p]) for p in higher)
+        if client is None:
+            return ahead + len(self._queues[priority])
+        held = self.held
+        mine = held.get(client, 0)
+        return ahead + sum(1 for w in self._queues[priority] if held.get(w.client, 0) <= mine)
 
     def _evict_below(self, priority: Priority) -> bool:
         """Make room for `priority` by shedding the newest lower-priority waiter."""
@@ -224,6 +291,30 @@ class Admission:
                 return True
         return False
 
+    def _evict_heaviest(self, priority: Priority, client: str, share: int) -> bool:
+        """Make room for a request of a client under its share by shedding the
+        newest waiter, of `priority` or lower, of the client holding the most
+        slots (if it holds at least its share)."""
+        held = self.held
+        heavy = max(
+            (w.client for p in PRIORITIES[RANK[priority] :] for w in self._queues[p]),
+            key=lambda c: held.get(c, 0),
+            default=None,
+        )
+        if heavy is None or heavy == client or held.get(heavy, 0) < share:
+            return False
+        for p in reversed(PRIORITIES[RANK[priority] :]):
+            q = self._queues[p]
+            for i in range(len(q) - 1, -1, -1):
+                w = q[i]
+                if w.client == heavy:
+                    del q[i]
+                    self._queued -= 1
+                    if not w.future.done():
+                        w.future.set_exception(Rejected("evicted", self.retry_after()))
+                    return True
+        return False
+
     def snapshot(self) -> dict[str, object]:
         return {
             "limit": self.limit,
@@ -231,4 +322,5 @@ class Admission:
             "queued": {p: len(q) for p, q in self._queues.items()},
             "drain_rate": round(self.drain_rate(), 2),
             "shedding_sheddable": self.shed_sheddable,
+            "clients": len(self.held),
         }

@@ -135,8 +135,10 @@ class PressureMonitor:
         self.ttft_short.add(now, seconds)
         self.ttft_base.add(now, seconds)
 
-    def record_queue_wait(self, seconds: float, limit: int) -> None:
-        if limit >= self.policy.max_inflight:  # else the wait is the throttle's own
+    def record_queue_wait(self, seconds: float, limit: int, counts: bool = True) -> None:
+        # Not counted: a wait the throttle causes itself (the limit is cut), or
+        # one client's demand beyond its fair share (`Admission`, fair share).
+        if counts and limit >= self.policy.max_inflight:
             self.queue_wait.add(self.clock(), seconds)
 
     def update_engine(self, g: EngineGauges) -> None:

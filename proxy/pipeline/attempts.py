@@ -311,17 +311,19 @@ async def attempt(
     # (Admission inline, not a wrapper: one coroutine frame less per request.)
     throttle = rt.policy.ladder.throttle
     admit = up.name == "primary" and throttle.enabled
-    client = ""
+    client = who = ""
     if admit:
+        # The client's identity: the admission's fair share, the optional cap.
+        who = inbox.who if throttle.fair_share or throttle.max_inflight_per_client else ""
         cap = throttle.max_inflight_per_client
         if cap:
             # One client's share of the engine's slots (chaos drill 8: one
             # client's long answers held them all and the others were shed).
-            client = inbox.client
+            client = who
             if not rt.client_slots.take(client, cap):
                 return shed(rec, inbox, Rejected("client_limit", 1))
         try:
-            await rt.admission.acquire(rec.priority)
+            await rt.admission.acquire(rec.priority, who)
         except Rejected as r:
             if client:
                 rt.client_slots.give(client)
@@ -401,6 +403,6 @@ async def attempt(
             close(resp)
     finally:
         if admit:
-            rt.admission.release()
+            rt.admission.release(who)
             if client:
                 rt.client_slots.give(client)

@@ -25,7 +25,7 @@ log = structlog.get_logger("brownout.request")
 
 
 class Inbox:
-    __slots__ = ("body", "candidate_fault", "request", "rid", "rt")
+    __slots__ = ("_who", "body", "candidate_fault", "request", "rid", "rt")
 
     def __init__(
         self,
@@ -39,17 +39,33 @@ class Inbox:
         self.request = request
         self.body = body  # the request's JSON (its `model`, on a failure's path)
         self.candidate_fault = ""  # the gray release's candidate failed it (by its fault)
+        self._who: str | None = None
+
+    @property
+    def who(self) -> str:
+        """The client's identity as it is (`client_identity`, unhashed: kept
+        only in memory, for the admission's fair share); computed once."""
+        who = self._who
+        if who is None:
+            req = self.request
+            if req is None:
+                who = ""
+            else:
+                keyed = bool(self.rt.policy.server.api_keys)
+                key = bearer_token(req.headers.get("Authorization")) if keyed else None
+                who = client_identity(
+                    req.remote, key, req.headers.get("X-Forwarded-For"), keyed=keyed
+                )
+            self._who = who
+        return who
 
     @property
     def client(self) -> str:
         """Who sent the request, as far as a breaker may believe it
         (`client_identity`; computed only on a failure's path)."""
-        req = self.request
-        if req is None:
+        if self.request is None:
             return ""
-        keyed = bool(self.rt.policy.server.api_keys)
-        key = bearer_token(req.headers.get("Authorization")) if keyed else None
-        who = client_identity(req.remote, key, req.headers.get("X-Forwarded-For"), keyed=keyed)
+        who = self.who
         # Hashed: an API key is never kept (nor shown in status) as it is.
         kind, _, value = who.partition(":")
         digest = hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()[:16]

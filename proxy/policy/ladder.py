@@ -20,6 +20,13 @@ class AdmissionPolicy:
         "Longest wait for a slot; a request expected to wait longer is refused at once.",
         gt=0,
     )
+    fair_share: bool = knob(
+        True,
+        "While requests wait for a slot, serve first the client holding the fewest "
+        "(max-min fairness; FIFO with one client), shed the heaviest client's newest "
+        "waiter when the queue is full, and do not count a client's waits beyond its "
+        "share as engine pressure.",
+    )
     default_priority: Priority = knob(
         "normal", "Priority of requests without `X-Priority` (critical, normal, sheddable)."
     )

@@ -211,9 +211,9 @@ class Runtime:
             return c
         return self._estimate
 
-    def _on_queue_wait(self, seconds: float) -> None:
+    def _on_queue_wait(self, seconds: float, counts: bool) -> None:
         self.metrics.queue_wait.observe(seconds)
-        self.pressure.record_queue_wait(seconds, self.admission.limit)
+        self.pressure.record_queue_wait(seconds, self.admission.limit, counts)
 
     def priority_for(self, header: str | None, api_key: str | None) -> Priority:
         """`X-Priority` may lower the client's priority (its key's entry, else

@@ -333,3 +333,49 @@ async def test_one_client_holds_at_most_its_share_of_the_engines_slots(
     assert (await other)[0] == 200
     assert [(await t)[0] for t in held] == [200, 200]
     assert proxy.app[STATE].current.client_slots.held == {}
+
+
+async def test_a_client_that_grabbed_the_idle_pool_gives_slots_to_the_others_first(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The fair share (on by default, no cap configured): one client's long
+    requests took all 4 slots while the pool was idle and it queued 4 more;
+    another client's requests, queued after them, get the slots as they free
+    (the hog's queued ones wait), its waits are not engine pressure, and the
+    tier stays normal. Failed on main before the fair share: FIFO served the
+    hog's queue first."""
+    gates = {"hog": asyncio.Event(), "other": asyncio.Event()}
+    served: list[str] = []
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        who = body["messages"][0]["content"]
+        served.append(who)
+        await gates[who].wait()
+        return await fallback_answer(request)
+
+    fake_upstream.handlers[CHAT] = slow
+    extra = {"ladder": {"throttle": {"max_inflight": 4, "queue_timeout_s": 30}}}
+    proxy = await start_proxy(policy(fake_upstream.url, None, extra=extra))
+    rt = proxy.app[STATE].current
+
+    def ask(who: str, addr: str) -> asyncio.Task[tuple[int, dict[str, Any], Any]]:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": who}]}
+        return asyncio.create_task(post(proxy, body, **{"X-Forwarded-For": addr}))
+
+    hog = [ask("hog", "6.6.6.6") for _ in range(4)]
+    await wait_until(lambda: len(served) == 4)
+    hog += [ask("hog", "6.6.6.6") for _ in range(4)]
+    await wait_until(lambda: rt.admission.queued == 4)
+    others = [ask("other", f"10.0.0.{i}") for i in range(1, 3)]
+    await wait_until(lambda: rt.admission.queued == 6)
+    # The hog's long answers end: the first freed slots go to the other clients.
+    first_two = hog[:4]
+    gates["hog"].set()
+    gates["other"].set()
+    await asyncio.gather(*first_two)
+    results = await asyncio.gather(*others, *hog[4:])
+    assert [r[0] for r in results] == [200] * 6
+    assert served[4:6] == ["other", "other"], served
+    assert rt.admission.held == {} and rt.admission.inflight == 0
+    assert rt.ladder.tier == "normal"

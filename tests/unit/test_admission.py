@@ -125,11 +125,11 @@ def test_retry_after_follows_drain_rate() -> None:
     adm, clock = make(max_inflight=4, queue_timeout_s=10)
     assert adm.retry_after() == 10  # no rate measured yet: the deadline
     for _ in range(4):
-        adm._take()
+        adm._take("")
     for _ in range(20):
         clock.t += 0.1  # 4 slots, one completes (and is replaced) every 0.1 s
         adm.release()
-        adm._take()
+        adm._take("")
     assert adm.drain_rate() == pytest.approx(10)
     assert adm.retry_after(position=49) == 5
 
@@ -263,7 +263,7 @@ async def test_simultaneous_completions_do_not_inflate_the_rate() -> None:
 def test_the_drain_rate_is_bounded() -> None:
     adm, _ = make(max_inflight=4)
     for _ in range(4):
-        adm._take()
+        adm._take("")
     for _ in range(4):
         adm.release()  # instant completions: no busy time at all
     assert 0 < adm.drain_rate() <= 4 / 0.005
@@ -283,7 +283,7 @@ def test_drain_rate_bounds_and_idle_invariance(ops: list[object], limit: int) ->
     adm, clock = make(max_inflight=limit)
     for op in ops:
         if op == "take":
-            adm._take()
+            adm._take("")
         elif op == "release":
             if adm.inflight:
                 adm.release()
@@ -295,3 +295,162 @@ def test_drain_rate_bounds_and_idle_invariance(ops: list[object], limit: int) ->
         rate = adm.drain_rate()
         assert math.isfinite(rate) and rate >= 0
         assert rate <= max(adm.limit, adm.inflight) / MIN_SERVICE_S + 1e-9
+
+
+# -- fair share (chaos drill 8: one client's long answers held every slot) ----
+
+
+async def _queue(adm: Admission, client: str, order: list[str], priority: Priority = "normal"):
+    async def wait() -> None:
+        try:
+            await adm.acquire(priority, client)
+            order.append(client)
+        except Rejected as r:
+            order.append(f"{client}:{r.reason}")
+
+    t = asyncio.create_task(wait())
+    await asyncio.sleep(0)
+    return t
+
+
+async def test_a_freed_slot_goes_to_the_client_holding_the_fewest() -> None:
+    adm, _ = make(max_inflight=4, queue_size=10, queue_timeout_s=5)
+    for _ in range(3):
+        await adm.acquire("normal", "hog")  # grabbed while the pool was idle
+    await adm.acquire("normal", "b")
+    order: list[str] = []
+    tasks = [await _queue(adm, c, order) for c in ("hog", "hog", "b", "c")]
+    assert adm.held == {"hog": 3, "b": 1}
+    adm.release("hog")
+    await asyncio.sleep(0)
+    assert order == ["c"]  # holds none: first, though it queued last
+    adm.release("hog")
+    await asyncio.sleep(0)
+    assert order == ["c", "hog"]  # hog 1, b 1: equals go first in, first out
+    adm.release("c")
+    await asyncio.sleep(0)
+    assert order == ["c", "hog", "b"]  # b holds 1, hog 2: b, though it queued later
+    adm.release("b")
+    await asyncio.gather(*tasks)
+    assert order == ["c", "hog", "b", "hog"]
+    assert adm.held == {"hog": 3, "b": 1}
+    assert adm.inflight == 4
+
+
+async def test_fair_share_off_is_first_in_first_out() -> None:
+    adm, _ = make(max_inflight=2, queue_size=10, queue_timeout_s=5, fair_share=False)
+    await adm.acquire("normal", "hog")
+    await adm.acquire("normal", "hog")
+    order: list[str] = []
+    tasks = [await _queue(adm, c, order) for c in ("hog", "b")]
+    adm.release("hog")
+    adm.release("hog")
+    await asyncio.gather(*tasks)
+    assert order == ["hog", "b"]
+
+
+async def test_priority_still_comes_before_the_fair_share() -> None:
+    adm, _ = make(max_inflight=2, queue_size=10, queue_timeout_s=5)
+    await adm.acquire("normal", "hog")
+    await adm.acquire("normal", "hog")
+    order: list[str] = []
+    tasks = [
+        await _queue(adm, "b", order, "sheddable"),
+        await _queue(adm, "hog", order, "critical"),
+    ]
+    adm.release("hog")
+    await asyncio.sleep(0)
+    assert order == ["hog"]
+    adm.release("hog")
+    await asyncio.gather(*tasks)
+    assert order == ["hog", "b"]
+
+
+async def test_a_full_queue_sheds_the_heaviest_clients_newest_waiter() -> None:
+    adm, _ = make(max_inflight=2, queue_size=2, queue_timeout_s=5)
+    await adm.acquire("normal", "hog")
+    await adm.acquire("normal", "hog")
+    order: list[str] = []
+    tasks = [await _queue(adm, "hog", order), await _queue(adm, "hog", order)]
+    # b holds nothing (under its share of 1): the hog's newest waiter makes room.
+    t_b = await _queue(adm, "b", order)
+    await asyncio.sleep(0)
+    assert order == ["hog:evicted"]
+    # The hog itself, over its share, is refused when the queue is full.
+    with pytest.raises(Rejected) as info:
+        await adm.acquire("normal", "hog")
+    assert info.value.reason == "queue_full"
+    adm.release("hog")
+    await asyncio.sleep(0)
+    assert order == ["hog:evicted", "b"]
+    adm.release("hog")
+    await asyncio.gather(*tasks, t_b)
+    assert order == ["hog:evicted", "b", "hog"]
+
+
+async def test_waits_beyond_a_clients_share_are_not_engine_pressure() -> None:
+    seen: list[tuple[str, bool]] = []
+    clock = Clock()
+    who: list[str] = []
+    adm = Admission(
+        AdmissionPolicy(max_inflight=2, queue_size=10, queue_timeout_s=5),
+        clock,
+        lambda s, counts: seen.append((who.pop(0), counts)),
+    )
+    await adm.acquire("normal", "hog")
+    await adm.acquire("normal", "hog")
+    order: list[str] = []
+    # hog holds 2 = the whole pool, alone: its wait is real pressure (one client).
+    t1 = await _queue(adm, "hog", order)
+    # b holds nothing, share 1 of 2: its wait counts; the hog's next one (holding 2,
+    # share 1, another client waiting) is its own excess demand and does not.
+    t2 = await _queue(adm, "b", order)
+    t3 = await _queue(adm, "hog", order)
+    who.extend(["b", "hog", "hog"])
+    for _ in range(3):
+        adm.release("hog")
+        await asyncio.sleep(0)
+    await asyncio.gather(t1, t2, t3)
+    assert order == ["b", "hog", "hog"]
+    # Served b first (t2), then t1 (queued when hog was alone), then t3.
+    assert seen == [("b", True), ("hog", True), ("hog", False)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["acquire", "release"]), st.sampled_from(["a", "b", "c"])),
+        max_size=60,
+    ),
+    st.integers(1, 4),
+)
+def test_slots_held_per_client_always_add_up(ops: list[tuple[str, str]], limit: int) -> None:
+    """Whatever the order of arrivals and departures: the clients' holdings sum
+    to the slots in flight, never above the limit; everyone queued is served
+    once the others leave (liveness), and an idle pool holds nothing."""
+
+    async def run() -> None:
+        adm, _ = make(max_inflight=limit, queue_size=100, queue_timeout_s=1000)
+        holding: list[str] = []
+        waiting: list[tuple[str, asyncio.Task[None]]] = []
+        for op, c in ops:
+            if op == "acquire":
+                waiting.append((c, asyncio.create_task(adm.acquire("normal", c))))
+            elif holding:
+                adm.release(holding.pop(holding.index(c)) if c in holding else holding.pop(0))
+            await asyncio.sleep(0)
+            for c2, t in [w for w in waiting if w[1].done()]:
+                waiting.remove((c2, t))
+                holding.append(c2)
+            assert sum(adm.held.values()) == adm.inflight == len(holding) <= limit
+        while waiting:
+            adm.release(holding.pop(0))
+            await asyncio.sleep(0)
+            for c2, t in [w for w in waiting if w[1].done()]:
+                waiting.remove((c2, t))
+                holding.append(c2)
+        while holding:
+            adm.release(holding.pop())
+        assert adm.held == {} and adm.inflight == 0 and adm.queued == 0
+
+    asyncio.run(run())
