@@ -184,8 +184,11 @@ async def run_attempts(
             if d.step == "return":
                 return result
             why = d.reason
-            # Kept: if no later candidate answers, this is the error to pass on.
-            if result.kind == "refused":
+            # Kept: if no later candidate answers, this is the error to pass on
+            # (fields a backend does not honour before a plain failure; a window
+            # too small for the request is not: the larger backend's own failure
+            # is the cause — chaos drill 8 answered poison with the primary's 400).
+            if result.kind == "refused" and d.reason != "context_length":
                 refusal = result
             else:
                 last = result

@@ -575,3 +575,35 @@ async def test_capabilities_are_read_again_when_the_fallback_recovers(
         assert r.status == 200
         await r.read()
     assert chat_calls(fallback_upstream) == [TOOL_BODY]
+
+
+async def test_a_window_refusal_does_not_mask_the_larger_backends_own_failure(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Too long for the primary, sent on to the fallback's larger window,
+    where it fails with a 5xx: the client hears the fallback's failure, not
+    the primary's context-length 400 (chaos drill 8 answered a poison
+    parameter with "only -60 tokens fit in the context window")."""
+
+    async def boom(request: web.Request) -> web.StreamResponse:
+        msg = "probability tensor contains either inf, nan or element < 0"
+        return web.json_response({"error": {"message": msg, "code": 500}}, status=500)
+
+    fake_upstream.handlers[CHAT] = too_long
+    fallback_upstream.handlers[CHAT] = boom
+    pol = policy(
+        fake_upstream.url,
+        fallback_upstream.url,
+        primary_extra={"max_model_len": 1024},
+        extra={
+            "backends": {"fallback": {"max_model_len": 8192}},
+            "ladder": {"failover": {"retry_max": 0}},
+        },
+    )
+    proxy = await start_proxy(pol)
+    async with proxy.session.post(proxy.url + CHAT, json=BODY) as r:
+        raw = await r.read()
+        assert r.status >= 500, raw
+        assert r.headers["X-Brownout-Backend"] == "fallback"
+        assert b"maximum context length" not in raw
+        assert "inf, nan" in json.loads(raw)["error"]["message"], raw
