@@ -25,10 +25,12 @@ client this is plain FIFO) — max-min fairness, so a client that grabbed the
 pool while it was idle gives slots back to the others as its requests end,
 down to its share, ⌈limit ÷ clients holding or waiting⌉. A full queue sheds
 the newest waiter of the client holding the most slots before it refuses a
-request from a client under its share. And the wait of a request whose
-client already held its share when it queued (its own excess demand, while
-other clients also want the engine) is not reported as engine pressure: one
-client's long answers must not throttle everybody (chaos drill 8).
+request from a client under its share. And a wait is reported as engine
+pressure only if, when it queued, its client held less than its share and
+no client held more: a wait behind one client's excess (or the waiter's
+own) is that client's doing, and cutting the limit for it would punish
+everybody (chaos drill 8: one client's long answers drove the throttle
+tier, limit 8 → 1, and the others were shed).
 
 The drain rate is measured on busy time only, by Little's law: slots ÷ mean
 service time, where the mean service time is the slot-seconds spent in
@@ -169,7 +171,10 @@ class Admission:
         if rate > 0 and (position + 1) / rate > self.policy.queue_timeout_s:
             raise Rejected("deadline", self.retry_after(position))
         loop = asyncio.get_running_loop()
-        counts = clients < 2 or mine < share
+        # Engine pressure only if nobody is past its share: a wait behind a
+        # client holding more than its share (or the waiter's own excess) is
+        # that client's doing, and cutting the limit would punish everyone.
+        counts = clients < 2 or (mine < share and max(self.held.values(), default=0) <= share)
         w = _Waiter(priority, loop.create_future(), self.clock(), client, counts)
         self._queues[priority].append(w)
         self._queued += 1

@@ -402,8 +402,9 @@ async def test_waits_beyond_a_clients_share_are_not_engine_pressure() -> None:
     order: list[str] = []
     # hog holds 2 = the whole pool, alone: its wait is real pressure (one client).
     t1 = await _queue(adm, "hog", order)
-    # b holds nothing, share 1 of 2: its wait counts; the hog's next one (holding 2,
-    # share 1, another client waiting) is its own excess demand and does not.
+    # b holds nothing, share 1 of 2, but the hog holds 2: b waits behind the
+    # hog's excess, not the engine; the hog's next one (holding 2, share 1,
+    # another client waiting) is its own excess demand: neither counts.
     t2 = await _queue(adm, "b", order)
     t3 = await _queue(adm, "hog", order)
     who.extend(["b", "hog", "hog"])
@@ -413,7 +414,7 @@ async def test_waits_beyond_a_clients_share_are_not_engine_pressure() -> None:
     await asyncio.gather(t1, t2, t3)
     assert order == ["b", "hog", "hog"]
     # Served b first (t2), then t1 (queued when hog was alone), then t3.
-    assert seen == [("b", True), ("hog", True), ("hog", False)]
+    assert seen == [("b", False), ("hog", True), ("hog", False)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -454,3 +455,30 @@ def test_slots_held_per_client_always_add_up(ops: list[tuple[str, str]], limit: 
         assert adm.held == {} and adm.inflight == 0 and adm.queued == 0
 
     asyncio.run(run())
+
+
+async def test_a_wait_behind_a_client_past_its_share_is_not_engine_pressure() -> None:
+    """The hog holds 3 of 4 slots (share 2 with two clients): b's wait is the
+    hog's doing, not the engine's; once nobody is past its share, b's next
+    wait counts again."""
+    seen: list[bool] = []
+    clock = Clock()
+    adm = Admission(
+        AdmissionPolicy(max_inflight=4, queue_size=10, queue_timeout_s=5),
+        clock,
+        lambda s, counts: seen.append(counts),
+    )
+    for _ in range(3):
+        await adm.acquire("normal", "hog")
+    await adm.acquire("normal", "b")
+    order: list[str] = []
+    t = await _queue(adm, "b", order)
+    adm.release("hog")
+    await t
+    assert seen == [False]  # queued while the hog held 3 > 2
+    adm.release("hog")
+    await adm.acquire("normal", "c")  # hog 1, b 2, c 1: nobody past 2 (share ⌈4/3⌉)
+    t = await _queue(adm, "c", order)
+    adm.release("b")
+    await t
+    assert seen == [False, True]
