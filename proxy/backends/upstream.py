@@ -82,6 +82,8 @@ class Upstream:
     # read from /v1/models at discovery; a transformers fallback that
     # advertises nothing is taken to honour plain chat only.
     caps: Capabilities | None = None
+    # Told every health probe's result (the flight recorder): name, health.
+    on_probe: Callable[[str, Health], None] | None = None
     # Breakers, their corroboration ledgers, the retry budget (decisions, in control/).
     judge: BreakerSet = field(init=False)
     # The shared recovery probe (`shared_probe`): in flight, and the last verdict.
@@ -196,6 +198,8 @@ class Upstream:
         h.last_error = err
         h.definitive = definitive
         h.consecutive_failures = 0 if err is None else h.consecutive_failures + 1
+        if self.on_probe is not None:
+            self.on_probe(self.name, h)
         if was is not h.healthy:
             log.info("backend_health_changed", backend=self.name, healthy=h.healthy, error=err)
         if h.healthy and (

@@ -18,7 +18,7 @@ from typing import Literal
 from aiohttp import web
 
 from proxy.ingress.completions import chat_completions, completions
-from proxy.ops import handlers, rollout
+from proxy.ops import handlers, recording, rollout
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Auth = Literal["client", "admin", "none"]
@@ -98,6 +98,9 @@ ROUTES: tuple[Route, ...] = (
     Route("rollout", "/brownout/rollout", ("GET", "POST"), rollout.rollout, "admin", _OPS,
           "The gray release (GET: state, step, share, gates, bundles; POST "
           '{"action": ...}: start, pause, resume, abort, promote).'),
+    Route("recording", "/brownout/recording", ("GET",), recording.recording, "admin", _OPS,
+          "A window of the flight recording as JSON lines (`?since=&until=`: Unix "
+          "seconds, ISO 8601 or -15m; default the last 15 minutes)."),
 )
 # fmt: on
 

@@ -169,6 +169,7 @@ async def run_attempts(
                     if budget.take(now, w, pol.retry_budget_ratio, pol.retry_budget_min):
                         # Not reported: the retry's outcome is this request's one.
                         retries += 1
+                        inbox.note(up, result)  # the flight recorder's (not reported)
                         inbox.retry(up, up, d.reason)
                         delay = d.delay
                         last = result

@@ -8,6 +8,7 @@ from typing import Any
 
 import structlog
 
+from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal
 
 log = structlog.get_logger("brownout.request")
@@ -24,14 +25,27 @@ def terminal_of(result: AttemptResult) -> Terminal:
         events=result.events,
         stream_error=result.outcome if result.delivered and result.kind == "ended" else "",
         bad_request=result.code if result.kind == "refused" else "",
+        answer=result.answer,
     )
 
 
-def finish(rec: RequestRecord, term: Terminal) -> None:
+def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> None:
     rt = rec.rt
     m = rt.metrics
     now = rec.loop.time()
     elapsed = now - rec.t0
+    recorder = rt.recorder
+    if recorder is not None:
+        # The flight recorder: one tuple on a deque; encoded off the loop.
+        s = rec.session
+        recorder.put(
+            ("req", rec.t0, rec.endpoint, rec.priority, rec.stream,
+             s.key if s is not None else None, rec.body, len(rec.raw),
+             inbox.attempts if inbox is not None else None, term.backend, term.status,
+             term.outcome, term.client_ttft, elapsed, term.events,
+             inbox.retries if inbox is not None else 0, rec.rescued,
+             inbox.identity if inbox is not None else None, rt.tier, term.answer)
+        )  # fmt: skip
     rt.count_request(term.backend, rec.endpoint, term.status)
     bm = rt.backend_metrics.get(term.backend)
     if bm is not None:

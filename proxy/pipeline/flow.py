@@ -112,7 +112,7 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         rec.rt.inflight -= 1
         if term is not None:
             rec.candidate_fault = inbox.candidate_fault
-            finish(rec, term)
+            finish(rec, term, inbox)
 
 
 async def _internal_error(

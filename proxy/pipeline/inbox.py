@@ -25,7 +25,7 @@ log = structlog.get_logger("brownout.request")
 
 
 class Inbox:
-    __slots__ = ("_who", "body", "candidate_fault", "request", "rid", "rt")
+    __slots__ = ("_who", "attempts", "body", "candidate_fault", "request", "retries", "rid", "rt")
 
     def __init__(
         self,
@@ -40,6 +40,10 @@ class Inbox:
         self.body = body  # the request's JSON (its `model`, on a failure's path)
         self.candidate_fault = ""  # the gray release's candidate failed it (by its fault)
         self._who: str | None = None
+        # For the flight recorder (only while it records): each attempt as
+        # (backend, kind, status, fault, ttft, end offset), and the retries.
+        self.attempts: list[tuple[str, str, int, str, float | None, float]] | None = None
+        self.retries = 0
 
     @property
     def who(self) -> str:
@@ -60,6 +64,21 @@ class Inbox:
         return who
 
     @property
+    def identity(self) -> str | None:
+        """The client's identity if it was needed (the fair share, a cap): the
+        recorder hashes it; never computed for the recorder alone."""
+        return self._who or None
+
+    def note(self, up: Upstream, result: AttemptResult) -> None:
+        """The flight recorder's note of an attempt (a no-op unless it records)."""
+        if self.rt.recorder is None:
+            return
+        t0 = self.rt.clock()
+        if self.attempts is None:
+            self.attempts = []
+        self.attempts.append((up.name, result.kind, result.status, result.fault, result.ttft, t0))
+
+    @property
     def client(self) -> str:
         """Who sent the request, as far as a breaker may believe it
         (`client_identity`; computed only on a failure's path)."""
@@ -76,6 +95,8 @@ class Inbox:
         attribution (`proxy.control.attribution`) and the breaker's verdict,
         TTFT and guard trips."""
         rt = self.rt
+        if rt.recorder is not None:
+            self.note(up, result)
         trip = result.trip
         if trip is not None:
             rt.metrics.guard_trips.labels(trip.rule, up.name).inc()
@@ -152,6 +173,7 @@ class Inbox:
 
     def retry(self, prev: Upstream, up: Upstream, reason: str) -> None:
         """Another attempt: on the same backend (a retry within its budget) or the next."""
+        self.retries += 1
         self.rt.metrics.retries.labels(prev.name, up.name, reason or "error").inc()
         log.info(
             "retry",

@@ -78,6 +78,7 @@ class Terminal(NamedTuple):
     events: int | None = None
     stream_error: str = ""  # a started stream ended with this in-band error
     bad_request: str = ""  # the request's own fault, by code
+    answer: str | None = None  # the answer's text (the flight recorder, with `content`)
 
 
 @dataclass(slots=True)

@@ -50,6 +50,8 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
 
     heartbeat = policy.server.heartbeat_s
     rollout_checks(policy, bad)
+    if policy.recorder.enabled and not policy.recorder.dir.strip():
+        bad("recorder.dir", "must name a directory when the recorder is enabled")
     for name in ("primary", "fallback", "candidate"):
         b = getattr(policy.backends, name)
         if b is None:

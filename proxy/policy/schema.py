@@ -19,6 +19,7 @@ from proxy.policy.faq import FaqPolicy
 from proxy.policy.guard import GuardPolicy
 from proxy.policy.knobs import knob
 from proxy.policy.ladder import LadderPolicy
+from proxy.policy.recorder import RecorderPolicy
 from proxy.policy.rollout import RolloutPolicy
 from proxy.policy.server import ServerPolicy
 from proxy.policy.sessions import SessionsPolicy
@@ -33,6 +34,7 @@ class Policy:
     guard: GuardPolicy = knob(GuardPolicy, "")
     faq: FaqPolicy = knob(FaqPolicy, "")
     rollout: RolloutPolicy = knob(RolloutPolicy, "")
+    recorder: RecorderPolicy = knob(RecorderPolicy, "")
     # Where the policy came from (for status and reload), not a YAML key.
     source: str = field(default="<memory>", metadata={"internal": True})
 

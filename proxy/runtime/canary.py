@@ -13,7 +13,9 @@ takes (that fails everywhere: the request's problem).
 Each window (`tick`): the candidate's health and breaker, then the gates;
 a failing gate rolls back at once, passing gates let the step advance.
 Rolled back: `snapshot_dir/<rollout-id>/` gets `verdict.json`,
-`errors.jsonl`, `metrics.prom` and `timeline.jsonl`, written off the loop into
+`errors.jsonl`, `metrics.prom`, `timeline.jsonl` and, while the flight
+recorder runs, `recording.jsonl` (its last ten minutes, replayable with
+`brownout replay --trace`), written off the loop into
 a temporary directory renamed into place (atomic); a write that fails is
 shown in status (`bundle_error`), never raised.
 """
@@ -48,6 +50,8 @@ from proxy.policy import Policy, PolicyError
 from proxy.policy.evalset import evalset_path, load_evalset
 from proxy.runtime.evalrun import run_eval
 from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.recorder import FLUSH_S as RECORDER_FLUSH_S
+from proxy.telemetry.recording import window
 
 if TYPE_CHECKING:
     from proxy.backends.upstream import Upstream
@@ -57,6 +61,7 @@ log = structlog.get_logger("brownout.rollout")
 
 STATE_FILE = "state.json"
 ERRORS_KEPT = 200  # error records per arm kept for the bundle
+BUNDLE_RECORDING_S = 600.0  # the flight recording's last minutes in a bundle
 TIMELINE_KEPT = 5000
 
 
@@ -71,6 +76,8 @@ class Canary:
     ) -> None:
         rp = policy.rollout
         self.policy = rp
+        # The flight recorder's directory: a bundle carries its last minutes.
+        self.recording = Path(policy.recorder.dir) if policy.recorder.enabled else None
         self.clock = clock
         self.metrics = metrics
         self.spawn = spawn
@@ -343,7 +350,15 @@ class Canary:
         self.spawn(self._write_bundle(ro.rollout_id or "rollout", files), "rollout_bundle")
 
     async def _write_bundle(self, rid: str, files: dict[str, str]) -> None:
+        recording = self.recording
         try:
+            if recording is not None:
+                # The flight recorder's last minutes (it flushes once a second).
+                await asyncio.sleep(RECORDER_FLUSH_S)
+                now = time.time()
+                files["recording.jsonl"] = await asyncio.to_thread(
+                    lambda: b"".join(window(recording, now - BUNDLE_RECORDING_S, now)).decode()
+                )
             path = await asyncio.to_thread(write_bundle, self.dir, rid, files)
         except OSError as exc:
             self.bundle_error = f"{type(exc).__name__}: {exc}"

@@ -39,6 +39,7 @@ from proxy.sessions.counters import EstimateTokenCounter, RemoteTokenCounter, To
 from proxy.sessions.saves import PendingSaves
 from proxy.sessions.store import MemorySessionStore, SessionStore
 from proxy.telemetry.metrics import BackendMetrics, Metrics
+from proxy.telemetry.recorder import Recorder
 
 log = structlog.get_logger("brownout.ladder")
 
@@ -59,6 +60,8 @@ class Runtime:
     _request_counters: dict[tuple[str, str, int], Counter] = field(default_factory=dict)
     # The app's background work (shared by generations); a private one if None.
     supervisor: Supervisor | None = None
+    # The flight recorder (one per process, `ProxyState`); None: not recording.
+    recorder: Recorder | None = None
 
     def __post_init__(self) -> None:
         pol = self.policy
@@ -295,6 +298,7 @@ class Runtime:
         throttled = self.ladder.tier == "throttle"
         self.admission.shed_sheddable = throttled
         if window:
+            before = self.admission.limit
             self.admission.set_limit(
                 next_limit(
                     throttle,
@@ -303,6 +307,8 @@ class Runtime:
                     pressure=self.pressure.active,
                 )
             )
+            if self.recorder is not None and self.admission.limit != before:
+                self.recorder.put(("limit", self.clock(), before, self.admission.limit))
         return t
 
     def evaluate_soon(self) -> None:
@@ -483,6 +489,8 @@ class Runtime:
         self.metrics.model_breaker_state.labels(name, model).set(STATE_VALUES[new])
         if old == new:
             return  # just created
+        if self.recorder is not None:
+            self.recorder.put(("breaker", self.clock(), name, model, old, new, reason))
         self.metrics.model_breaker_transitions.labels(name, model, old, new).inc()
         log.warning("breaker_changed", backend=name, model=model, old=old, new=new, reason=reason)
         if new == "open" and self.shared is not None and not self._applying_remote:
@@ -495,6 +503,8 @@ class Runtime:
             self.evaluate_soon()
 
     def on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:
+        if self.recorder is not None:
+            self.recorder.put(("breaker", self.clock(), name, None, old, new, reason))
         self.metrics.breaker_transitions.labels(name, old, new).inc()
         log.warning("breaker_changed", backend=name, old=old, new=new, reason=reason)
         if new == "open" and self.shared is not None and not self._applying_remote:
@@ -506,6 +516,8 @@ class Runtime:
             self.evaluate_soon()
 
     def _on_transition(self, t: Transition) -> None:
+        if self.recorder is not None:
+            self.recorder.put(("tier", t.at, t.from_tier, t.to_tier, t.reason, t.detail))
         self.metrics.transitions.labels(t.from_tier, t.to_tier, t.reason).inc()
         log.warning(
             "tier_changed",

@@ -27,6 +27,7 @@ from proxy.control.pressure import parse_vllm_metrics
 from proxy.runtime.supervise import Body, Sleep
 
 if TYPE_CHECKING:
+    from proxy.runtime.generation import Runtime
     from proxy.runtime.state import ProxyState
 
 log = structlog.get_logger("brownout.ladder")
@@ -44,6 +45,8 @@ def wanted_loops(state: ProxyState) -> Mapping[str, Body]:
         loops["shared_sync"] = lambda: sync_forever(state)
     if pol.server.watch_policy:
         loops["watch_policy"] = lambda: watch_policy(state)
+    if state.recorder is not None:
+        loops["record_samples"] = lambda: record_samples(state)
     return loops
 
 
@@ -146,7 +149,39 @@ async def scrape_forever(state: ProxyState) -> None:
                 rt.pressure.engine.error = f"/metrics returned HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, RuntimeError) as exc:
             rt.pressure.engine.error = type(exc).__name__
+        recorder = state.recorder
+        if recorder is not None:
+            g = rt.pressure.engine
+            recorder.put(("engine", rt.clock(), g.waiting, g.running, g.kv_cache, g.rejections,
+                          g.error))  # fmt: skip
         await asyncio.sleep(interval)
+
+
+SAMPLE_S = 1.0  # the flight recorder's state sample
+
+
+def sample_of(rt: Runtime) -> tuple[object, ...]:
+    """The flight recorder's once-a-second view of the control state."""
+    now = rt.clock()
+    p = rt.pressure
+    short, n_short = p.ttft_short.p95(now)
+    base, n_base = p.ttft_base.p95(now)
+    adm = rt.admission
+    return (
+        "sample", now, rt.ladder.tier, adm.limit, adm.inflight, adm.queued,
+        short if n_short else None, base if n_base else None, p.active, p.reason,
+        {n: up.breaker.state for n, up in rt.upstreams.items()},
+        {n: up.available for n, up in rt.upstreams.items()},
+    )  # fmt: skip
+
+
+async def record_samples(state: ProxyState, sleep: Sleep = asyncio.sleep) -> None:
+    """Once a second, the control state into the flight recorder."""
+    while True:
+        await sleep(SAMPLE_S)
+        recorder = state.recorder
+        if recorder is not None:
+            recorder.put(sample_of(state.current))
 
 
 async def sync_forever(state: ProxyState) -> None:

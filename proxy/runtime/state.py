@@ -31,21 +31,24 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
 
-from proxy.backends.upstream import Upstream, open_upstream
+from proxy.backends.upstream import Health, Upstream, open_upstream
 from proxy.control.shared import SharedState
 from proxy.openai.capabilities import PLAIN
 from proxy.policy import Policy, PolicyError, load_policy, policy_diff, split_restart
 from proxy.policy.diff import RESTART_MARK
+from proxy.policy.recorder import RecorderPolicy
 from proxy.runtime.canary import read_state
 from proxy.runtime.generation import Runtime
 from proxy.runtime.supervise import Body, Supervisor
 from proxy.sessions.counters import HFTokenCounter
 from proxy.sessions.store import SessionStore, make_store, store_identity
 from proxy.telemetry.metrics import TIER_VALUES, Metrics
+from proxy.telemetry.recorder import Recorder
 
 log = structlog.get_logger("brownout.policy")
 
@@ -86,6 +89,12 @@ class ProxyState:
             policy=policy, metrics=metrics, clock=clock, supervisor=self.supervisor
         )
         self.live: list[Runtime] = [self.current]
+        # The flight recorder: one per process, across reloads (`recorder.dir`).
+        self.recorder: Recorder | None = None
+        self._recording = False  # started (the app is up)
+        self._reconcile_recorder(policy.recorder)
+        self.current.recorder = self.recorder
+        metrics.watch_recorder(lambda: self.recorder)
         self.loaded_at = time.time()
         self.last_reload: dict[str, Any] | None = None
         self._lock = asyncio.Lock()
@@ -105,6 +114,31 @@ class ProxyState:
             await built.close()
             raise
         self.current.bind_gauges()
+        self._recording = True
+        if self.recorder is not None:
+            self.recorder.start()
+            self.recorder.put(("policy", self.clock(), self.current.policy, "start"))
+
+    def _reconcile_recorder(self, pol: RecorderPolicy) -> None:
+        """Start, keep (retuned), replace or stop the recorder for `pol`
+        (no I/O, no waiting: a replaced writer finishes its last second alone)."""
+        old = self.recorder
+        if old is not None and pol.enabled and old.dir == Path(pol.dir):
+            old.retune(pol)
+            return
+        if old is not None:
+            old.stop()
+        self.recorder = None
+        if pol.enabled:
+            self.recorder = Recorder(pol, time.time() - self.clock())
+            if self._recording:
+                self.recorder.start()
+
+    def _on_probe(self, name: str, h: Health) -> None:
+        rec = self.recorder
+        if rec is not None:
+            rec.put(("probe", self.clock(), name, bool(h.healthy), h.definitive,
+                     h.last_error, h.consecutive_failures))  # fmt: skip
 
     def run_loops(self, spec: LoopSpec) -> None:
         """Supervise the background loops `spec` names for the current
@@ -127,6 +161,9 @@ class ProxyState:
         for rt in self.live:
             await self._close_unused(rt, keep=[])
         self.live = []
+        rec, self.recorder = self.recorder, None
+        if rec is not None:
+            await asyncio.to_thread(rec.close)
 
     def _on_breaker_change(self, name: str, old: str, new: str, reason: str) -> None:
         # Upstreams outlive generations: breaker news goes to the current one.
@@ -186,6 +223,7 @@ class ProxyState:
                     up.max_model_len = bp.max_model_len or old.max_model_len
                     up.health = dataclasses.replace(old.health)
                     _keep_learnt(up, old)
+            up.on_probe = self._on_probe
             rt.add_upstream(up)
             if (
                 prev is not None
@@ -226,6 +264,9 @@ class ProxyState:
         if new.store is old.store:
             new.store.retune(new.policy.sessions)
         new.adopt(old)
+        if new.policy.recorder != old.policy.recorder:
+            self._reconcile_recorder(new.policy.recorder)
+        new.recorder = self.recorder
         self.current = new
         self.live.append(new)
         new.bind_gauges()
@@ -293,6 +334,10 @@ class ProxyState:
             why = f"{path}: cannot apply the policy: {type(exc).__name__}: {exc}"
             return self._rejected(reason, started, [why], "policy_not_applied")
         self._commit(new, old)
+        if self.recorder is not None:
+            now = self.clock()
+            self.recorder.put(("reload", now, True, policy, changes))
+            self.recorder.put(("policy", now, policy, "reload"))
         self.metrics.reloads.inc()
         log.warning("policy_reloaded", reason=reason, changes=changes, needs_restart=restart)
         self.last_reload = {
@@ -311,6 +356,8 @@ class ProxyState:
         self, reason: str, started: float, errors: list[str], code: str
     ) -> dict[str, Any]:
         self.metrics.reload_failures.inc()
+        if self.recorder is not None:
+            self.recorder.put(("reload", self.clock(), False, None, errors))
         for line in errors:
             log.error("policy_reload_rejected", reason=reason, error=line)
         self.last_reload = {
@@ -372,6 +419,8 @@ class ProxyState:
             "last_reload": self.last_reload,
             "generations_live": len(self.live),
         }
+        rec = self.recorder
+        body["recorder"] = rec.snapshot() if rec is not None else {"enabled": False}
         body["loops"] = {
             "running": self.supervisor.running(),
             "errors": self.supervisor.errors(),

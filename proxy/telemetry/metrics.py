@@ -6,11 +6,12 @@ so the request path never pays for `.labels()` lookups it can avoid.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -371,6 +372,12 @@ class Metrics:
             registry=r,
         )
         r.register(_LogDrops())
+        self._recorder_source: Callable[[], Any] = lambda: None
+        r.register(_RecorderStats(lambda: self._recorder_source()))
+
+    def watch_recorder(self, source: Callable[[], Any]) -> None:
+        """Where the flight recorder's counters are read at scrape time."""
+        self._recorder_source = source
 
     def for_backend(self, name: str) -> BackendMetrics:
         return BackendMetrics(
@@ -391,4 +398,28 @@ class _LogDrops(Collector):
             "brownout_log_lines_dropped",
             "Log lines dropped because stderr's reader did not keep up.",
             value=lines_dropped(),
+        )
+
+
+class _RecorderStats(Collector):
+    """The flight recorder's counters (kept by its writer), read at scrape time."""
+
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        rec = self._source()
+        dropped = CounterMetricFamily(
+            "brownout_recorder_dropped",
+            "Flight-recorder records not written: queue_full (the writer fell behind, e.g. "
+            "a stalled disk), write_error (a full disk, an I/O error). Serving is never held.",
+            labels=["reason"],
+        )
+        dropped.add_metric(["queue_full"], rec.dropped if rec is not None else 0)
+        dropped.add_metric(["write_error"], rec.lost if rec is not None else 0)
+        yield dropped
+        yield GaugeMetricFamily(
+            "brownout_recorder_bytes",
+            "Bytes of the flight recording on disk (all segments).",
+            value=rec.bytes_on_disk if rec is not None else 0,
         )

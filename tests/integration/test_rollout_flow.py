@@ -5,6 +5,7 @@ scripted fakes (latency and faults per arm), the real evaluation loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from aiohttp import web
 from proxy.app import create_app
 from proxy.control.rollout import bucket
 from proxy.policy import Policy, parse_policy
+from proxy.policy.recorder import RecorderPolicy
 from proxy.runtime.keys import STATE
 from tests.integration.conftest import FakeUpstream, ProxyFactory, chunk, free_port
 from tests.integration.test_pipeline import CHAT, metrics, total, wait_until
@@ -235,6 +237,38 @@ async def test_an_oom_on_the_candidate_rolls_back_at_once_and_no_client_sees_it(
     m = await metrics(proxy)
     assert total(m, "brownout_rollout_rollbacks_total", gate="oom") == 1
     assert (await state(proxy))["bundles"] == [str(bundle)]
+
+
+async def test_a_rollback_bundle_carries_the_flight_recordings_last_minutes(
+    fake_upstream: FakeUpstream,
+    candidate_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    tmp_path: Path,
+) -> None:
+    fake_upstream.handlers[CHAT] = streaming("primary", 0.0)
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "CUDA out of memory"}}, status=500)
+
+    candidate_upstream.handlers[CHAT] = broken
+    pol = rollout_policy(
+        fake_upstream.url, candidate_upstream.url, tmp_path / "b", steps=[1.0], step_s=3600
+    )
+    rec_dir = tmp_path / "rec"
+    pol = dataclasses.replace(pol, recorder=RecorderPolicy(enabled=True, dir=str(rec_dir)))
+    proxy = await start_proxy(pol)
+    for i in range(3):  # before the rollout: on the recording
+        assert (await ask(proxy, f"before-{i}"))[1] == "primary"
+    await act(proxy, "start")
+    assert (await ask(proxy, "u1"))[1] == "primary"
+    assert (await state(proxy))["state"] == "rolled_back"
+    await wait_until(lambda: bool(list((tmp_path / "b").glob("*/recording.jsonl"))), 10)
+    (path,) = list((tmp_path / "b").glob("*/recording.jsonl"))
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    reqs = [r for r in recs if r["k"] == "req"]
+    assert len(reqs) >= 3 and recs[0]["k"] in ("seg", "policy")
+    # The request the candidate failed: its attempts, in the order they ran.
+    assert any([a[0] for a in r["att"]] == ["candidate", "primary"] for r in reqs)
 
 
 async def test_a_request_that_fails_everywhere_does_not_roll_a_good_candidate_back(
