@@ -95,6 +95,12 @@ def _cmd_reload(args: argparse.Namespace) -> int:
     return rc
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from proxy.replay.main import main as replay_main
+
+    return replay_main(args)
+
+
 def _cmd_rollout(args: argparse.Namespace) -> int:
     from proxy.ops.rolloutclient import render_rollout, request_rollout
 
@@ -110,14 +116,17 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 EXIT_CODES = """\
 exit codes:
-  0  success (serve and fallback-server: stopped by SIGINT or SIGTERM)
+  0  success (serve and fallback-server: stopped by SIGINT or SIGTERM;
+     replay: the candidate is not worse on the --fail-on figures)
   1  check: the policy is invalid; reload: the proxy rejected the new policy
      and keeps the running one; rollout: the proxy refused the action (it
      does not apply in the rollout's state, or no candidate is configured);
      serve, fallback-server: cannot listen;
-     fallback-server: its engine died (stopped, as vLLM does)
+     fallback-server: its engine died (stopped, as vLLM does);
+     replay: the candidate is worse on one of the --fail-on figures
   2  bad command line; serve: the policy is invalid (nothing started);
-     fallback-server: the model does not load or a limit is out of range
+     fallback-server: the model does not load or a limit is out of range;
+     replay: the trace cannot be read or a policy is invalid
   3  reload, rollout: the proxy could not be reached or refused the request
      (wrong token, admin endpoints off)"""
 
@@ -139,7 +148,17 @@ _SUB_EXIT_CODES = {
     ),
     "make-tiny-model": "0 written (or already there) · 1 DIR holds something else · 2 bad options",
     "schema": "0 printed · 2 bad options",
+    "replay": (
+        "0 not worse on the --fail-on figures · 1 worse on one of them · "
+        "2 bad options, unreadable trace or invalid policy"
+    ),
 }
+
+
+# `brownout replay`'s names (`proxy.replay.names` has them too: the parser is
+# built without loading the replay, so `brownout check` stays a policy leaf).
+REPLAY_SCENARIOS = ("engine-death", "overload-burst", "slow-prefill", "flapping", "fallback-down")
+REPLAY_FAIL_ON = ("client_errors", "maintenance_answers", "shed", "ttft_p95")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -243,6 +262,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the proxy's JSON answer as it is (errors too) instead of the summary",
     )
     rollout.set_defaults(func=_cmd_rollout)
+
+    replay = sub.add_parser(
+        "replay",
+        help="replay a flight recording (or a synthetic incident) under a candidate policy",
+        description=(
+            "Replay the arrivals of a flight recording (recorder.dir, a segment, or a "
+            "download of GET /brownout/recording) or of a synthetic scenario on a virtual "
+            "clock through Brownout's control code under the candidate policy and a baseline "
+            "(default: the policy the trace was recorded with), with the backends simulated "
+            "from what the recording saw, and print the two side by side; replaying under "
+            "the recorded policy also measures the replay's fidelity to what happened."
+        ),
+    )
+    src = replay.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--trace",
+        metavar="PATH",
+        default=None,
+        help="the recording (default: none; give --trace or --scenario)",
+    )
+    src.add_argument(
+        "--scenario",
+        choices=REPLAY_SCENARIOS,
+        default=None,
+        help="a synthetic incident instead of a recording (default: none)",
+    )
+    replay.add_argument(
+        "--policy", required=True, metavar="CANDIDATE.yaml", help="the policy to try"
+    )
+    replay.add_argument(
+        "--baseline",
+        metavar="OTHER.yaml",
+        default=None,
+        help="the policy to compare with (default: the recorded one; a scenario: the "
+        "built-in defaults)",
+    )
+    replay.add_argument("--json", action="store_true", help="print one JSON object")
+    replay.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="also write a self-contained HTML report (default: none)",
+    )
+    replay.add_argument(
+        "--fail-on",
+        default="",
+        metavar="LIST",
+        help="exit 1 when the candidate is worse on any of (comma-separated): "
+        + ",".join(REPLAY_FAIL_ON),
+    )
+    replay.add_argument("--seed", type=int, default=0, help="scenario and sporadic-error seed")
+    replay.set_defaults(func=_cmd_replay)
 
     fb = sub.add_parser(
         "fallback-server",

@@ -49,6 +49,7 @@ import collections
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 from proxy.policy import PRIORITIES, RANK, AdmissionPolicy, Priority
 
@@ -67,10 +68,21 @@ class Rejected(Exception):
         self.retry_after = retry_after
 
 
+class Slot(Protocol):
+    """What a waiter is woken through: an `asyncio.Future` on the event loop;
+    `brownout replay`'s virtual clock passes its own."""
+
+    def done(self) -> bool: ...
+    def cancelled(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+    def set_result(self, result: None, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
 @dataclass(slots=True)
-class _Waiter:
+class Waiter:
     priority: Priority
-    future: asyncio.Future[None]
+    future: Slot
     enqueued: float
     client: str
     counts: bool  # its wait is evidence of engine pressure (see the module text)
@@ -92,7 +104,7 @@ class Admission:
         self.inflight = 0
         self.shed_sheddable = False  # set by the throttle tier
         self.held: dict[str, int] = {}  # slots held per client identity
-        self._queues: dict[Priority, collections.deque[_Waiter]] = {
+        self._queues: dict[Priority, collections.deque[Waiter]] = {
             p: collections.deque() for p in PRIORITIES
         }
         self._queued = 0
@@ -152,11 +164,49 @@ class Admission:
     async def acquire(self, priority: Priority, client: str = "") -> None:
         """Wait for a slot or raise Rejected. `client` is the request's
         identity for the fair share (every request of one client: same string)."""
+        if self.admit(priority, client):
+            return
+        w = self.enqueue(priority, client, asyncio.get_running_loop().create_future())
+        future = cast("asyncio.Future[None]", w.future)
+        try:
+            async with asyncio.timeout(self.policy.queue_timeout_s):
+                await future
+        except TimeoutError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # The slot was handed over in the same step the deadline hit:
+                # it is ours, so use it rather than leak it.
+                pass
+            else:
+                self.abandon(w)
+                raise Rejected("queue_timeout", self.retry_after()) from None
+        except asyncio.CancelledError:
+            # The client left while waiting; if a slot was just handed over, give it back.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(client)
+            else:
+                self.abandon(w)
+            raise
+        self.waited(w)
+
+    # The steps of `acquire`, synchronous (no I/O, no await): `brownout
+    # replay` drives them on its virtual clock with its own `Slot`s.
+
+    def admit(self, priority: Priority, client: str = "") -> bool:
+        """Take a slot now (True), or say the request must wait (False);
+        raises Rejected for a sheddable request in the throttle tier."""
         if self.shed_sheddable and priority == "sheddable":
             raise Rejected("shed", self.retry_after())
         if self.inflight < self.limit and (not self._queued or not self._ahead_of(priority)):
             self._take(client)
-            return
+            return True
+        return False
+
+    def enqueue(self, priority: Priority, client: str, future: Slot) -> Waiter:
+        """Queue a request `admit` could not take: `future` gets its slot
+        (`set_result`) or its eviction (`set_exception(Rejected)`). Raises
+        Rejected when the queue is full and nothing can be evicted for it, or
+        when its expected wait exceeds the deadline. The caller times the
+        wait out (`queue_timeout_s`: then `abandon`) and reports it (`waited`)."""
         fair = self.policy.fair_share
         share, clients = self.share(client) if fair else (self.limit, 1)
         mine = self.held.get(client, 0)
@@ -170,32 +220,21 @@ class Admission:
         rate = self.drain_rate()
         if rate > 0 and (position + 1) / rate > self.policy.queue_timeout_s:
             raise Rejected("deadline", self.retry_after(position))
-        loop = asyncio.get_running_loop()
         # Engine pressure only if nobody is past its share: a wait behind a
         # client holding more than its share (or the waiter's own excess) is
         # that client's doing, and cutting the limit would punish everyone.
         counts = clients < 2 or (mine < share and max(self.held.values(), default=0) <= share)
-        w = _Waiter(priority, loop.create_future(), self.clock(), client, counts)
+        w = Waiter(priority, future, self.clock(), client, counts)
         self._queues[priority].append(w)
         self._queued += 1
-        try:
-            async with asyncio.timeout(self.policy.queue_timeout_s):
-                await w.future
-        except TimeoutError:
-            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
-                # The slot was handed over in the same step the deadline hit:
-                # it is ours, so use it rather than leak it.
-                pass
-            else:
-                self._remove(w)
-                raise Rejected("queue_timeout", self.retry_after()) from None
-        except asyncio.CancelledError:
-            # The client left while waiting; if a slot was just handed over, give it back.
-            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
-                self.release(client)
-            else:
-                self._remove(w)
-            raise
+        return w
+
+    def abandon(self, w: Waiter) -> None:
+        """A waiter gave up (its deadline, its client left) before a slot came."""
+        self._remove(w)
+
+    def waited(self, w: Waiter) -> None:
+        """A waiter got its slot: its wait is reported (`on_wait`)."""
         if self.on_wait is not None:
             self.on_wait(self.clock() - w.enqueued, w.counts)
 
@@ -237,7 +276,7 @@ class Admission:
         held = self.held
         held[client] = held.get(client, 0) + 1
 
-    def _pop(self) -> _Waiter | None:
+    def _pop(self) -> Waiter | None:
         for p in PRIORITIES:
             q = self._queues[p]
             if q:
@@ -259,7 +298,7 @@ class Admission:
                 return w
         return None
 
-    def _remove(self, w: _Waiter) -> None:
+    def _remove(self, w: Waiter) -> None:
         try:
             self._queues[w.priority].remove(w)
             self._queued -= 1

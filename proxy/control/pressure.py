@@ -25,6 +25,7 @@ Out of the throttle tier the limit climbs back to `max_inflight` the same way.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 from collections.abc import Callable
@@ -40,27 +41,71 @@ REJECTIONS = ("vllm:admission_rejections_total",)
 
 
 class Window:
-    """Samples over a sliding time window; P95 on demand (once per ladder window)."""
+    """Samples over a sliding time window; P95 on demand (once per ladder window).
+
+    Times and values live in two deques of the same bound (they drop their
+    oldest together). The P95 keeps the window's values sorted between two
+    calls and only merges what came and went since (a sorted run plus a few
+    values sorts in linear time): a tenth of a full sort of a full window,
+    which is what lets `brownout replay` evaluate a day of windows in
+    seconds. `add` pays one list append for it."""
 
     def __init__(self, span_s: float, cap: int = 8192) -> None:
         self.span_s = span_s
-        self._q: collections.deque[tuple[float, float]] = collections.deque(maxlen=cap)
+        self.cap = cap
+        self._t: collections.deque[float] = collections.deque(maxlen=cap)
+        self._v: collections.deque[float] = collections.deque(maxlen=cap)
+        self._sorted: list[float] | None = None  # the values at the last P95, sorted
+        self._added: list[float] = []  # since then
+        self._gone: list[float] = []
 
     def add(self, t: float, v: float) -> None:
-        self._q.append((t, v))
+        vs = self._v
+        if self._sorted is not None:
+            if len(vs) == self.cap:
+                self._gone.append(vs[0])  # the deque drops its oldest
+            self._added.append(v)
+            if len(self._added) > self.cap:
+                self._forget()
+        self._t.append(t)
+        vs.append(v)
+
+    def _forget(self) -> None:
+        self._sorted = None
+        self._added.clear()
+        self._gone.clear()
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.span_s
+        ts, vs = self._t, self._v
+        keep = self._sorted is not None
+        while ts and ts[0] < horizon:
+            ts.popleft()
+            v = vs.popleft()
+            if keep:
+                self._gone.append(v)
 
     def values(self, now: float) -> list[float]:
-        horizon = now - self.span_s
-        q = self._q
-        while q and q[0][0] < horizon:
-            q.popleft()
-        return [v for _, v in q]
+        self._prune(now)
+        return list(self._v)
 
     def p95(self, now: float) -> tuple[float, int]:
-        vs = sorted(self.values(now))
-        if not vs:
+        self._prune(now)
+        s = self._sorted
+        changed = len(self._added) + len(self._gone)
+        if s is None or changed * 4 > len(self._v):
+            s = sorted(self._v)
+        else:
+            s.extend(self._added)
+            s.sort()
+            for v in self._gone:
+                del s[bisect.bisect_left(s, v)]
+        self._sorted = s
+        self._added.clear()
+        self._gone.clear()
+        if not s:
             return 0.0, 0
-        return vs[min(len(vs) - 1, math.ceil(0.95 * len(vs)) - 1)], len(vs)
+        return s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)], len(s)
 
 
 @dataclass(slots=True)

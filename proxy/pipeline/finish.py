@@ -39,13 +39,29 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
         # The flight recorder: one tuple on a deque; encoded off the loop.
         s = rec.session
         recorder.put(
-            ("req", rec.t0, rec.endpoint, rec.priority, rec.stream,
-             s.key if s is not None else None, rec.body, len(rec.raw),
-             inbox.attempts if inbox is not None else None, term.backend, term.status,
-             term.outcome, term.client_ttft, elapsed, term.events,
-             inbox.retries if inbox is not None else 0, rec.rescued,
-             inbox.identity if inbox is not None else None, rt.tier, term.answer)
-        )  # fmt: skip
+            (
+                "req",
+                rec.t0,
+                rec.endpoint,
+                rec.priority,
+                rec.stream,
+                s.key if s is not None else None,
+                rec.body,
+                len(rec.raw),
+                inbox.attempts if inbox is not None else None,
+                term.backend,
+                term.status,
+                term.outcome,
+                term.client_ttft,
+                elapsed,
+                term.events,
+                inbox.retries if inbox is not None else 0,
+                rec.rescued,
+                inbox.identity if inbox is not None else None,
+                rt.tier,
+                term.answer,
+            )
+        )
     rt.count_request(term.backend, rec.endpoint, term.status)
     bm = rt.backend_metrics.get(term.backend)
     if bm is not None:

@@ -163,6 +163,8 @@ class Runtime:
             self.spawn(self.shared.publish_rollout(state), "shared_publish")
 
     def force_tier(self, tier: Tier | None) -> None:
+        if self.recorder is not None:
+            self.recorder.put(("force", self.clock(), tier))
         self.ladder.force(tier)
         if tier is None:
             self.evaluate()

@@ -152,8 +152,9 @@ async def scrape_forever(state: ProxyState) -> None:
         recorder = state.recorder
         if recorder is not None:
             g = rt.pressure.engine
-            recorder.put(("engine", rt.clock(), g.waiting, g.running, g.kv_cache, g.rejections,
-                          g.error))  # fmt: skip
+            recorder.put(
+                ("engine", rt.clock(), g.waiting, g.running, g.kv_cache, g.rejections, g.error)
+            )
         await asyncio.sleep(interval)
 
 
@@ -168,11 +169,19 @@ def sample_of(rt: Runtime) -> tuple[object, ...]:
     base, n_base = p.ttft_base.p95(now)
     adm = rt.admission
     return (
-        "sample", now, rt.ladder.tier, adm.limit, adm.inflight, adm.queued,
-        short if n_short else None, base if n_base else None, p.active, p.reason,
+        "sample",
+        now,
+        rt.ladder.tier,
+        adm.limit,
+        adm.inflight,
+        adm.queued,
+        short if n_short else None,
+        base if n_base else None,
+        p.active,
+        p.reason,
         {n: up.breaker.state for n, up in rt.upstreams.items()},
         {n: up.available for n, up in rt.upstreams.items()},
-    )  # fmt: skip
+    )
 
 
 async def record_samples(state: ProxyState, sleep: Sleep = asyncio.sleep) -> None:

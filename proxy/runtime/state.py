@@ -137,8 +137,17 @@ class ProxyState:
     def _on_probe(self, name: str, h: Health) -> None:
         rec = self.recorder
         if rec is not None:
-            rec.put(("probe", self.clock(), name, bool(h.healthy), h.definitive,
-                     h.last_error, h.consecutive_failures))  # fmt: skip
+            rec.put(
+                (
+                    "probe",
+                    self.clock(),
+                    name,
+                    bool(h.healthy),
+                    h.definitive,
+                    h.last_error,
+                    h.consecutive_failures,
+                )
+            )
 
     def run_loops(self, spec: LoopSpec) -> None:
         """Supervise the background loops `spec` names for the current

@@ -104,6 +104,7 @@ class Recorder:
             "sample": _sample,
             "tier": _tier,
             "limit": _limit,
+            "force": _force,
             "policy": self._policy,
             "reload": _reload,
         }
@@ -155,8 +156,9 @@ class Recorder:
         }
 
     def hash(self, value: str) -> str:
-        return hashlib.blake2b(value.encode("utf-8", "surrogateescape"), key=self._key,
-                               digest_size=8).hexdigest()  # fmt: skip
+        return hashlib.blake2b(
+            value.encode("utf-8", "surrogateescape"), key=self._key, digest_size=8
+        ).hexdigest()
 
     # -- the writer thread -------------------------------------------------------------
 
@@ -237,8 +239,13 @@ class Recorder:
         if blocked:
             self._blocked_until = time.monotonic() + RETRY_S
         if first:
-            log.error("recorder_write_failed", dir=str(self.dir), error=text,
-                      disk_full=self.disk_full, retry_s=RETRY_S)  # fmt: skip
+            log.error(
+                "recorder_write_failed",
+                dir=str(self.dir),
+                error=text,
+                disk_full=self.disk_full,
+                retry_s=RETRY_S,
+            )
 
     def _segment_bytes(self) -> int:
         cap = int(self.policy.max_mb * MIB / 16)
@@ -261,8 +268,9 @@ class Recorder:
         self._opened_at = now
         self._size = 0
         self._prune(now)
-        head = [orjson.dumps({"k": "seg", "t": round(wall, 3), "v": FORMAT_VERSION,
-                              "pid": os.getpid()})]  # fmt: skip
+        head = [
+            orjson.dumps({"k": "seg", "t": round(wall, 3), "v": FORMAT_VERSION, "pid": os.getpid()})
+        ]
         if self._policy_line is not None:
             # Each segment carries the policy in force: a window of it replays alone.
             rec = orjson.loads(self._policy_line)
@@ -417,12 +425,27 @@ def _sample(
     br: dict[str, str],
     up: dict[str, bool],
 ) -> dict[str, Any]:
-    return {"k": "sample", "tier": tier, "lim": lim, "inf": inf, "q": q, "ttft_p95": _r(p95),
-            "ttft_base": _r(base), "pres": pres, "why": why, "br": br, "up": up}  # fmt: skip
+    return {
+        "k": "sample",
+        "tier": tier,
+        "lim": lim,
+        "inf": inf,
+        "q": q,
+        "ttft_p95": _r(p95),
+        "ttft_base": _r(base),
+        "pres": pres,
+        "why": why,
+        "br": br,
+        "up": up,
+    }
 
 
 def _tier(_t: float, old: str, new: str, why: str, detail: str) -> dict[str, Any]:
     return {"k": "tier", "from": old, "to": new, "why": why, "detail": detail[:200]}
+
+
+def _force(_t: float, tier: str | None) -> dict[str, Any]:
+    return {"k": "force", "tier": tier}
 
 
 def _limit(_t: float, old: int, new: int) -> dict[str, Any]:

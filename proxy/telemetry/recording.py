@@ -29,6 +29,7 @@ kind in `k` and its wall-clock time in `t` (Unix seconds):
              window and of the baseline, pressure, breakers `br`, backends up `up`
     tier     a tier transition: `from`, `to`, `why`, `detail`
     limit    an admission limit change: `from`, `to`
+    force    an operator forced a tier (`tier`) or released it (`tier` null)
     gap      records lost to a full queue or a write error since the last flush
 
 The reader never trusts a file: a line that is not a JSON object, or a

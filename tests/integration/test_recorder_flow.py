@@ -24,8 +24,7 @@ from tests.integration.conftest import FakeUpstream, ProxyFactory, free_port
 
 TOKEN = "rec-admin"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
-        "max_tokens": 7}  # fmt: skip
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 7}
 
 
 def policy(upstream: str, rec_dir: Path | None, extra: str = "") -> Policy:
@@ -95,8 +94,13 @@ async def test_requests_and_signals_reach_the_recording(
     assert len(reqs) == 5
     r0 = reqs[0]
     assert (r0["ep"], r0["st"], r0["be"], r0["s"], r0["o"], r0["mt"]) == (
-        "chat", False, "primary", 200, "complete", 7,
-    )  # fmt: skip
+        "chat",
+        False,
+        "primary",
+        200,
+        "complete",
+        7,
+    )
     assert r0["att"][0][:3] == ["primary", "answered", 200]
     assert sorted(x["pri"] for x in reqs) == ["normal"] * 4 + ["sheddable"]
     probes = [x for x in recs if x["k"] == "probe"]
@@ -104,10 +108,12 @@ async def test_requests_and_signals_reach_the_recording(
     # Times are wall clock.
     assert abs(r0["t"] - time.time()) < 60
     # A window in the future is empty, an inverted one refused, no token refused.
-    assert not [x for x in await recording(s, proxy.url, 0, since="-0s", until="-0s")
-                if x["k"] == "req"]  # fmt: skip
-    async with s.get(f"{proxy.url}/brownout/recording", params={"since": "-1m", "until": "-2m"},
-                     headers=ADMIN) as r:  # fmt: skip
+    assert not [
+        x for x in await recording(s, proxy.url, 0, since="-0s", until="-0s") if x["k"] == "req"
+    ]
+    async with s.get(
+        f"{proxy.url}/brownout/recording", params={"since": "-1m", "until": "-2m"}, headers=ADMIN
+    ) as r:
         assert r.status == 400
     async with s.get(f"{proxy.url}/brownout/recording") as r:
         assert r.status == 401
@@ -200,8 +206,10 @@ async def test_a_stalled_disk_never_slows_serving(
                         await r.read()
                     times[url].append(time.perf_counter() - t0)
         off_p50, stalled_p50 = statistics.median(times[off]), statistics.median(times[stalled])
-        print(f"\nrequest p50: recorder off {off_p50 * 1e3:.2f} ms, "
-              f"disk stalled {stalled_p50 * 1e3:.2f} ms")  # fmt: skip
+        print(
+            f"\nrequest p50: recorder off {off_p50 * 1e3:.2f} ms, "
+            f"disk stalled {stalled_p50 * 1e3:.2f} ms"
+        )
         assert stalled_p50 <= off_p50 * 1.3 + 0.5e-3
         rec = app[STATE].recorder
         assert rec is not None and rec.dropped > 0

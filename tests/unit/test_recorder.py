@@ -31,12 +31,25 @@ def make(tmp_path: Path, **kw: Any) -> Recorder:
 
 def req(t: float, **over: Any) -> tuple[Any, ...]:
     base: dict[str, Any] = dict(
-        ep="chat", pri="normal", st=True, session="session:abc",
+        ep="chat",
+        pri="normal",
+        st=True,
+        session="session:abc",
         body={"max_tokens": 64, "messages": [{"role": "user", "content": "x" * 40}]},
-        raw_len=80, attempts=[("primary", "answered", 200, "", 0.12, t + 0.5)],
-        backend="primary", status=200, outcome="complete", ttft=0.13, elapsed=0.5,
-        events=12, retries=0, rescued=False, who="ip:10.0.0.1", tier="normal", answer="hi",
-    )  # fmt: skip
+        raw_len=80,
+        attempts=[("primary", "answered", 200, "", 0.12, t + 0.5)],
+        backend="primary",
+        status=200,
+        outcome="complete",
+        ttft=0.13,
+        elapsed=0.5,
+        events=12,
+        retries=0,
+        rescued=False,
+        who="ip:10.0.0.1",
+        tier="normal",
+        answer="hi",
+    )
     base.update(over)
     return ("req", t, *base.values())
 
@@ -48,8 +61,20 @@ def test_every_kind_round_trips_with_wall_times(tmp_path: Path) -> None:
     rec.put(("probe", 11.2, "primary", False, True, "connection failed: refused", 1))
     rec.put(("breaker", 11.3, "primary", None, "closed", "open", "connect: refused"))
     rec.put(("engine", 11.4, 3.0, 8.0, 0.5, 0.0, None))
-    sample = ("sample", 12.0, "failover", 8, 1, 0, 0.2, 0.1, False, "", {"primary": "open"},
-              {"primary": False})  # fmt: skip
+    sample = (
+        "sample",
+        12.0,
+        "failover",
+        8,
+        1,
+        0,
+        0.2,
+        0.1,
+        False,
+        "",
+        {"primary": "open"},
+        {"primary": False},
+    )
     rec.put(sample)
     rec.put(("tier", 11.3, "normal", "failover", "primary_down", "primary breaker open"))
     rec.put(("limit", 12.5, 8, 6))
@@ -65,17 +90,33 @@ def test_every_kind_round_trips_with_wall_times(tmp_path: Path) -> None:
     r = by["req"]
     assert r["t"] == pytest.approx(OFFSET + 11.0)
     assert r["att"] == [["primary", "answered", 200, None, 0.12, 0.5]]
-    assert (r["s"], r["o"], r["ttft"], r["d"], r["n"], r["mt"]) == (200, "complete", 0.13, 0.5,
-                                                                     12, 64)  # fmt: skip
+    assert (r["s"], r["o"], r["ttft"], r["d"], r["n"], r["mt"]) == (
+        200,
+        "complete",
+        0.13,
+        0.5,
+        12,
+        64,
+    )
     assert r["pt"] == 10  # 40 characters ≈ 10 tokens
     # Hashed ids, no text by default.
     assert r["sid"] and "abc" not in r["sid"] and r["cl"] and "10.0.0" not in r["cl"]
     assert "prompt" not in r and "answer" not in r
-    assert by["probe"] == {"k": "probe", "t": pytest.approx(OFFSET + 11.2), "b": "primary",
-                           "ok": False, "def": True, "err": "connection failed: refused",
-                           "cf": 1}  # fmt: skip
-    assert by["tier"]["to"] == "failover" and by["limit"] == {"k": "limit", "t": OFFSET + 12.5,
-                                                              "from": 8, "to": 6}  # fmt: skip
+    assert by["probe"] == {
+        "k": "probe",
+        "t": pytest.approx(OFFSET + 11.2),
+        "b": "primary",
+        "ok": False,
+        "def": True,
+        "err": "connection failed: refused",
+        "cf": 1,
+    }
+    assert by["tier"]["to"] == "failover" and by["limit"] == {
+        "k": "limit",
+        "t": OFFSET + 12.5,
+        "from": 8,
+        "to": 6,
+    }
     assert by["policy"]["hash"] == fingerprint(POLICY)[0]
     assert by["policy"]["knobs"]["ladder.breaker.fail_max"] == POLICY.ladder.breaker.fail_max
     assert by["reload"]["hash"] == fingerprint(POLICY)[0]
@@ -124,8 +165,9 @@ def test_a_crash_loses_at_most_the_unflushed_second(tmp_path: Path) -> None:
 
 
 def test_segments_rotate_and_the_oldest_go_beyond_max_mb(tmp_path: Path) -> None:
-    rec = Recorder(RecorderPolicy(enabled=True, dir=str(tmp_path / "rec"), max_mb=1.0),
-                   OFFSET, segment_s=0.0)  # fmt: skip
+    rec = Recorder(
+        RecorderPolicy(enabled=True, dir=str(tmp_path / "rec"), max_mb=1.0), OFFSET, segment_s=0.0
+    )
     noise = base64.b64encode(os.urandom(45_000)).decode()  # barely compressible
     for i in range(40):
         rec.put(req(float(i), answer=noise, outcome=f"o{i}"))
@@ -142,8 +184,11 @@ def test_segments_rotate_and_the_oldest_go_beyond_max_mb(tmp_path: Path) -> None
 
 
 def test_segments_older_than_keep_hours_are_deleted(tmp_path: Path) -> None:
-    rec = Recorder(RecorderPolicy(enabled=True, dir=str(tmp_path / "rec"), keep_hours=1.0),
-                   OFFSET, segment_s=0.0)  # fmt: skip
+    rec = Recorder(
+        RecorderPolicy(enabled=True, dir=str(tmp_path / "rec"), keep_hours=1.0),
+        OFFSET,
+        segment_s=0.0,
+    )
     rec.put(req(1.0))
     rec.flush_once()
     old = segments(tmp_path / "rec")[0]
@@ -167,8 +212,7 @@ def test_a_full_disk_stops_recording_and_says_so(
     def opener(p: Path) -> IO[bytes]:
         return p.open("ab") if good[0] else full.open("wb")
 
-    rec = Recorder(RecorderPolicy(enabled=True, dir=str(tmp_path / "rec")), OFFSET,
-                   opener=opener)  # fmt: skip
+    rec = Recorder(RecorderPolicy(enabled=True, dir=str(tmp_path / "rec")), OFFSET, opener=opener)
     rec.put(req(1.0))
     rec.put(req(1.5))
     assert rec.flush_once() == 0
@@ -205,9 +249,13 @@ class StalledFile:
 
 def test_a_stalled_disk_never_blocks_the_producer(tmp_path: Path) -> None:
     gate = threading.Event()
-    rec = Recorder(RecorderPolicy(enabled=True, dir=str(tmp_path / "rec")), OFFSET,
-                   flush_s=0.01, queue_max=1000,
-                   opener=lambda p: StalledFile(p.open("ab"), gate))  # type: ignore[arg-type,return-value]  # fmt: skip
+    rec = Recorder(
+        RecorderPolicy(enabled=True, dir=str(tmp_path / "rec")),
+        OFFSET,
+        flush_s=0.01,
+        queue_max=1000,
+        opener=lambda p: StalledFile(p.open("ab"), gate),
+    )  # type: ignore[arg-type,return-value]
     rec.start()
     try:
         item = req(1.0)

@@ -1,0 +1,183 @@
+"""`brownout replay`: load, run baseline and candidate, report.
+
+    brownout replay --trace PATH | --scenario NAME  --policy CANDIDATE.yaml
+        [--baseline OTHER.yaml] [--json] [--html report.html]
+        [--fail-on client_errors,maintenance_answers,shed,ttft_p95] [--seed N]
+
+Exit codes: 0 done (the candidate is not worse on the `--fail-on` figures),
+1 worse on at least one of them, 2 bad options, an unreadable trace or an
+invalid policy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.policy import Policy, PolicyError, load_policy
+from proxy.replay import report as rep
+from proxy.replay.names import FAIL_ON, SCENARIOS
+from proxy.replay.scenarios import scenario_policy, scenario_trace
+from proxy.replay.sim import Run, replay
+from proxy.replay.trace import Trace, policy_from_knobs, with_backends
+from proxy.replay.world import World, build_world
+from proxy.telemetry.recorder import fingerprint
+
+
+class ReplayError(Exception):
+    """Bad input: printed, exit 2."""
+
+
+@dataclass
+class Outcome:
+    report: dict[str, Any]
+    baseline: Run
+    candidate: Run
+    trace: Trace
+    world: World
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def load_candidate(path: str) -> Policy:
+    try:
+        return load_policy(path, env={})
+    except PolicyError as exc:
+        raise ReplayError("\n".join(exc.lines())) from exc
+    except OSError as exc:
+        raise ReplayError(f"{path}: {exc.strerror or exc}") from exc
+
+
+def run_replay(
+    candidate: Policy,
+    *,
+    trace_path: str | None = None,
+    scenario: str | None = None,
+    baseline: Policy | None = None,
+    fail_on: tuple[str, ...] = (),
+    seed: int = 0,
+) -> Outcome:
+    started = time.process_time()
+    notes: list[str] = []
+    if scenario is not None:
+        trace = scenario_trace(scenario, seed)
+        recorded: Policy | None = None
+    else:
+        assert trace_path is not None
+        try:
+            trace = Trace.load(Path(trace_path))
+        except (OSError, ValueError) as exc:
+            raise ReplayError(f"{trace_path}: cannot read the trace: {exc}") from exc
+        knobs = trace.recorded_policy
+        recorded = policy_from_knobs(knobs, f"{trace_path} (recorded policy)") if knobs else None
+        if recorded is None:
+            notes.append("the trace carries no policy record: no fidelity can be measured")
+    is_recorded = False
+    if baseline is None:
+        if recorded is not None:
+            baseline, is_recorded = recorded, True
+        else:
+            baseline = scenario_policy()
+    elif recorded is not None and trace.policy_hash == fingerprint(baseline)[0]:
+        is_recorded = True
+    like = recorded or baseline
+    candidate = with_backends(candidate, like)
+    baseline = with_backends(baseline, like)
+    if len(trace.policies) > 1:
+        notes.append(
+            f"the policy was reloaded {len(trace.policies) - 1} time(s) during the "
+            "trace: each replay runs one policy throughout"
+        )
+    pb = baseline.backends.primary
+    world = build_world(trace, idle_s=pb.timeouts.idle_s)
+    notes += world.notes
+    base_run = replay(baseline, trace, world, seed)
+    cand_run = replay(candidate, trace, world, seed)
+    b, c = rep.summary(base_run), rep.summary(cand_run)
+    keys = FAIL_ON
+    report: dict[str, Any] = {
+        "trace": {
+            "source": trace.source or f"scenario {scenario}",
+            "synthetic": trace.synthetic,
+            "start": round(trace.start, 3),
+            "duration_s": round(trace.end, 2),
+            "requests": len(trace.requests),
+            "policy_hash": trace.policy_hash,
+            "dropped_records": trace.gaps,
+        },
+        "fidelity": rep.fidelity(trace, base_run) if is_recorded else None,
+        "baseline": b,
+        "candidate": c,
+        "recorded": rep.observed(trace) if not trace.synthetic else None,
+        "worse_on": rep.worse_on(b, c, keys),
+        "better_on": rep.better_on(b, c, keys),
+        "fail_on": list(fail_on),
+        "failed": rep.worse_on(b, c, fail_on),
+        "model": {
+            name: {
+                "capacity": round(bw.capacity, 2),
+                "answers_fitted": bw.observed,
+                "ttft_s_at_1": round(bw.ttft(1), 4),
+                "queue_slope_s": round(bw.ttft.slope, 4),
+                "segments": len(bw.segments) - 1,
+            }
+            for name, bw in world.backends.items()
+        },
+        "notes": notes,
+    }
+    out = Outcome(report, base_run, cand_run, trace, world, notes=notes)
+    out.seconds = time.process_time() - started
+    report["replay_cpu_s"] = round(out.seconds, 3)
+    return out
+
+
+def parse_fail_on(text: str) -> tuple[str, ...]:
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in keys if k not in FAIL_ON]
+    if bad:
+        raise ReplayError(f"--fail-on: unknown {', '.join(bad)} (any of {', '.join(FAIL_ON)})")
+    return keys
+
+
+def main(args: Any) -> int:
+    try:
+        if (args.trace is None) == (args.scenario is None):
+            raise ReplayError("give one of --trace PATH or --scenario NAME")
+        if args.scenario is not None and args.scenario not in SCENARIOS:
+            raise ReplayError(f"--scenario: one of {', '.join(SCENARIOS)}")
+        fail_on = parse_fail_on(args.fail_on or "")
+        candidate = load_candidate(args.policy)
+        baseline = load_candidate(args.baseline) if args.baseline else None
+        out = run_replay(
+            candidate,
+            trace_path=args.trace,
+            scenario=args.scenario,
+            baseline=baseline,
+            fail_on=fail_on,
+            seed=args.seed,
+        )
+    except ReplayError as exc:
+        print(f"brownout replay: error: {exc}", file=sys.stderr)
+        return 2
+    if args.html:
+        from proxy.replay.html import render
+
+        Path(args.html).write_text(render(out))
+    if args.json:
+        sys.stdout.write(json.dumps(out.report, indent=2) + "\n")
+    else:
+        sys.stdout.write(rep.text(out.report))
+        if args.html:
+            print(f"report: {args.html}")
+    failed = out.report["failed"]
+    if failed:
+        print(f"brownout replay: the candidate is worse on {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["Outcome", "ReplayError", "main", "run_replay"]

@@ -1,0 +1,697 @@
+"""One replay: a trace's arrivals through the real control code on a virtual clock.
+
+The decisions are Brownout's own objects, unchanged: the `Ladder`, one
+`BackendBreaker` and `RetryBudget` per backend, the `Admission` limiter
+(its synchronous steps, with the replay's own `Slot`s), the
+`PressureMonitor` and `next_limit`, and the pipeline's retry rule
+`next_step`. What `Runtime` and the pipeline do around them — route a
+request (tier, ramp, breaker permits, candidates in order), evaluate every
+`window_s` (recovery probes of open breakers first), re-evaluate when a
+breaker moves, probe health every `health.interval_s`, read vLLM's gauges
+every `scrape_interval_s`, retry or fail over, rescue a stream cut
+mid-answer on the fallback, answer from maintenance — is repeated here in
+a few lines each, on events in a heap instead of coroutines. Backends are
+`proxy.replay.world`'s models.
+
+Not replayed (documented limits): failure attribution and corroboration
+(every backend fault counts against its breaker at once, as with
+`corroborate: false`), per-model breakers, a gray release, sessions and
+trimming (context-length refusals are the recorded ones), the output
+guard, and policy reloads inside the trace (a replay runs one policy).
+Operator actions (a forced tier, a release) are replayed at their times.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.control.admission import Admission, Rejected, Waiter
+from proxy.control.breaker import BackendBreaker, Permit
+from proxy.control.ladder import RANK, TIERS, Destination, Ladder, Signals, Transition
+from proxy.control.pressure import EngineGauges, PressureMonitor, next_limit
+from proxy.control.retrybudget import RetryBudget
+from proxy.pipeline.attempts import next_step
+from proxy.pipeline.record import AttemptResult
+from proxy.policy import BackendPolicy, Policy
+from proxy.replay.trace import Request, Trace
+from proxy.replay.world import BackendWorld, Outcome, World
+
+TAIL_S = 5.0  # the replay runs this long past the last record
+SERIES_S = 1.0  # resolution of the time series in the report
+
+
+@dataclass(slots=True)
+class Health:
+    healthy: bool | None = None
+    definitive: bool = False
+    failures: int = 0
+    error: str | None = None
+
+
+class Backend:
+    """A backend of the replay: its breaker, budget and health (as `Upstream`)."""
+
+    def __init__(self, name: str, bp: BackendPolicy, pol: Policy, sim: Sim, world: BackendWorld):
+        self.name = name
+        self.policy = bp
+        self.world = world
+        self.breaker = BackendBreaker(name, pol.ladder.breaker, sim.clock, sim.on_breaker)
+        self.budget = RetryBudget()
+        self.health = Health()
+        self.probe_failures = pol.ladder.failover.probe_failures
+        self.inflight = 0
+        self.probing = False
+
+    @property
+    def down(self) -> bool:
+        h = self.health
+        if h.healthy is None or h.healthy:
+            return False
+        return h.definitive or h.failures >= self.probe_failures
+
+    @property
+    def available(self) -> bool:
+        return not self.down and self.breaker.state == "closed"
+
+
+class _Slot:
+    """An admission waiter's wake-up on the virtual clock (`admission.Slot`)."""
+
+    __slots__ = ("_done", "_exc", "flight", "sim")
+
+    def __init__(self, sim: Sim, flight: Flight) -> None:
+        self.sim, self.flight = sim, flight
+        self._done = False
+        self._exc: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def set_result(self, result: None, /) -> None:
+        self._done = True
+        self.sim.at(self.sim.now, self.sim.admitted, self.flight)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self._done = True
+        self._exc = exception
+        reason = exception.reason if isinstance(exception, Rejected) else "evicted"
+        self.sim.at(self.sim.now, self.sim.shed_waiter, self.flight, reason)
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request on its way (the replay's `RequestRecord`)."""
+
+    q: Request
+    order: list[Backend]
+    arrived: float = 0.0
+    idx: int = 0
+    retries: int = 0
+    permit: Permit | None = None
+    backend: Backend | None = None
+    slot: bool = False  # holds an admission slot
+    waiter: Waiter | None = None
+    sent_at: float = 0.0
+    deadline: float = 0.0  # the current candidate's first-byte deadline
+    done: bool = False
+    failed: bool = False  # some attempt failed before the first byte (the last result)
+    cut: bool = False
+
+
+@dataclass
+class Run:
+    """What one replay did, for the report."""
+
+    policy: Policy
+    duration: float
+    tiers: list[tuple[float, str]] = field(default_factory=list)  # (t, tier) at each change
+    transitions: list[tuple[float, str, str, str]] = field(default_factory=list)
+    requests: int = 0
+    answered: dict[str, int] = field(default_factory=lambda: {"primary": 0, "fallback": 0})
+    client_errors: int = 0
+    maintenance_answers: int = 0
+    shed: dict[str, int] = field(
+        default_factory=lambda: {"critical": 0, "normal": 0, "sheddable": 0}
+    )
+    failovers: int = 0
+    rescues: int = 0
+    intrinsic: int = 0
+    client_gone: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    # Per-second series for the HTML report.
+    series: dict[str, list[float]] = field(default_factory=dict)
+    ttft_t: list[float] = field(default_factory=list)  # arrival of each answered request
+
+
+class Sim:
+    def __init__(self, policy: Policy, trace: Trace, world: World, seed: int = 0) -> None:
+        self.policy = policy
+        self.trace = trace
+        self.now = 0.0
+        self.clock: Callable[[], float] = lambda: self.now
+        self.rng = random.Random(seed)
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+        self.run = Run(policy, trace.end)
+        lad = policy.ladder
+        self.ladder = Ladder(lad.recovery, self.clock, self.on_transition)
+        self.ladder.tier = trace.initial_tier  # type: ignore[assignment]
+        self.pressure = PressureMonitor(lad.throttle, self.clock)
+        self.admission = Admission(lad.throttle, self.clock, self.on_wait)
+        self.backends: dict[str, Backend] = {}
+        for name in ("primary", "fallback"):
+            bp = getattr(policy.backends, name)
+            if bp is not None:
+                self.backends[name] = Backend(name, bp, policy, self, world.backends[name])
+        self.primary = self.backends["primary"]
+        self.fallback = self.backends.get("fallback")
+        self._eval_soon = False
+        self._next_of: dict[int, Request] = {}
+        self._overlaps: dict[int, Request] = {}
+        self.run.tiers.append((0.0, self.ladder.tier))
+        knobs = trace.recorded_policy or {}
+        self._recorded_window = knobs.get("ladder.recovery.window_s")
+
+    # -- the clock ------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, args))
+
+    def replay(self) -> Run:
+        end = self.trace.end + TAIL_S
+        lad = self.policy.ladder
+        self.at(lad.recovery.window_s, self.tick)
+        for b in self.backends.values():
+            self.at(0.0, self.health_probe, b)
+        if self.primary.policy.kind == "vllm" and lad.throttle.scrape_interval_s > 0:
+            self.at(0.0, self.scrape)
+        self.at(0.0, self.sample)
+        for t, tier in self.trace.forces:
+            self.at(t, self.force, tier)
+        reqs = self._sessions()
+        i, n = 0, len(reqs)
+        heap = self._heap
+        pop = heapq.heappop
+        while True:
+            ta = reqs[i].t if i < n else math.inf
+            te = heap[0][0] if heap else math.inf
+            if ta == math.inf and te == math.inf:
+                break
+            if ta <= te:
+                self.now = ta
+                self.arrive(reqs[i])
+                i += 1
+            else:
+                t, _, fn, args = pop(heap)
+                if (
+                    t > end
+                    and i >= n
+                    and fn in (self.tick, self.health_probe, self.scrape, self.sample)
+                ):
+                    continue
+                self.now = t
+                fn(*args)
+        self.run.duration = self.trace.end
+        return self.run
+
+    # -- periodic work -----------------------------------------------------------------
+
+    def tick(self) -> None:
+        """`Evaluator.tick`: recovery probes due, then one window's evaluation."""
+        if self.policy.ladder.failover.recovery_probe:
+            for b in self.backends.values():
+                br = b.breaker
+                if b.probing or br.state == "closed":
+                    continue
+                if br.state == "open" and self.now < br.retry_at():
+                    continue
+                permit = br.allow()
+                if permit is not None:
+                    b.probing = True
+                    ok, definitive, err, took = b.world.probe(self.now)
+                    seg = b.world.segment(self.now)
+                    if ok and seg.state in ("down", "hung"):
+                        ok = False
+                    took += b.world.ttft(1) if ok else 0.0
+                    self.at(
+                        self.now + took, self.recovery_probe_done, b, permit, ok, definitive, err
+                    )
+        self.evaluate(window=True)
+        self.at(self._next_tick(), self.tick)
+
+    def _next_tick(self) -> float:
+        """One window on, at the recorded evaluation's instant when one is
+        known near it (the recorded loop's phase: its own timing, not the
+        policy's), for a replay with the recorded window."""
+        w = self.policy.ladder.recovery.window_s
+        nxt = self.now + w
+        ticks = self.trace.ticks
+        if ticks and w == self._recorded_window:
+            i = bisect.bisect_left(ticks, nxt - w / 2)
+            if i < len(ticks) and ticks[i] <= nxt + w / 2 and ticks[i] > self.now:
+                return ticks[i]
+        return nxt
+
+    def recovery_probe_done(
+        self, b: Backend, permit: Permit, ok: bool, definitive: bool, err: str | None
+    ) -> None:
+        b.probing = False
+        self._set_health(b, ok, definitive, err)
+        if ok:
+            b.breaker.record_success(permit)
+        else:
+            b.breaker.record_failure(permit, f"recovery probe: {err}")
+        b.breaker.release_trial(permit)
+
+    def health_probe(self, b: Backend) -> None:
+        ok, definitive, err, took = b.world.probe(self.now)
+        took = min(took, b.policy.health.timeout_s)
+        self.at(self.now + took, self._probed, b, ok, definitive, err)
+
+    def _probed(self, b: Backend, ok: bool, definitive: bool, err: str | None) -> None:
+        self._set_health(b, ok, definitive, err)
+        self.at(self.now + b.policy.health.interval_s, self.health_probe, b)
+
+    def _set_health(self, b: Backend, ok: bool, definitive: bool, err: str | None) -> None:
+        h = b.health
+        h.healthy, h.definitive, h.error = ok, definitive, err
+        h.failures = 0 if ok else h.failures + 1
+
+    def scrape(self) -> None:
+        p = self.primary
+        w, r, kv = p.world.gauges(self.now, p.inflight)
+        self.pressure.update_engine(EngineGauges(waiting=w, running=r, kv_cache=kv))
+        self._gauges = (w, r, kv)
+        self.at(self.now + self.policy.ladder.throttle.scrape_interval_s, self.scrape)
+
+    _gauges: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def sample(self) -> None:
+        s = self.run.series
+        for key, value in (
+            ("t", self.now),
+            ("tier", float(RANK[self.ladder.tier])),
+            ("limit", float(self.admission.limit)),
+            ("inflight_primary", float(self.primary.inflight)),
+            ("inflight_fallback", float(self.fallback.inflight if self.fallback else 0)),
+            ("queued", float(self.admission.queued)),
+            ("waiting", self._gauges[0]),
+            ("kv", self._gauges[2]),
+        ):
+            s.setdefault(key, []).append(value)
+        self.at(self.now + SERIES_S, self.sample)
+
+    def force(self, tier: str | None) -> None:
+        self.ladder.force(tier if tier in TIERS else None)  # type: ignore[arg-type,unused-ignore]
+        if tier is None:
+            self.evaluate()
+
+    # -- the ladder (as Runtime.signals / evaluate / route) -----------------------------
+
+    def signals(self, pressure: bool) -> Signals:
+        p, f = self.primary, self.fallback
+        primary_ok = p.available or not self.policy.ladder.failover.enabled
+        return Signals(primary_ok, f is not None and f.available, pressure)
+
+    def evaluate(self, window: bool = False) -> None:
+        throttle = self.policy.ladder.throttle
+        if window and throttle.enabled:
+            self.pressure.evaluate()
+        self.ladder.evaluate(self.signals(throttle.enabled and self.pressure.active))
+        throttled = self.ladder.tier == "throttle"
+        self.admission.shed_sheddable = throttled
+        if window:
+            self.admission.set_limit(
+                next_limit(
+                    throttle,
+                    self.admission.limit,
+                    throttled=throttled,
+                    pressure=self.pressure.active,
+                )
+            )
+
+    def on_breaker(self, name: str, old: str, new: str, reason: str) -> None:
+        if not self._eval_soon:
+            self._eval_soon = True
+            self.at(self.now, self._evaluate_soon)
+
+    def _evaluate_soon(self) -> None:
+        self._eval_soon = False
+        self.evaluate()
+
+    def on_transition(self, t: Transition) -> None:
+        self.run.transitions.append((t.at, t.from_tier, t.to_tier, t.reason))
+        self.run.tiers.append((t.at, t.to_tier))
+
+    def on_wait(self, seconds: float, counts: bool) -> None:
+        self.pressure.record_queue_wait(seconds, self.admission.limit, counts)
+
+    def route(self) -> tuple[Destination, list[Backend]]:
+        dest = self.ladder.route()
+        if dest == "maintenance":
+            return dest, []
+        p, f = self.primary, self.fallback
+        fo = self.policy.ladder.failover
+        if dest == "primary" or f is None:
+            order = [p] if f is None else [p, f]
+        elif (
+            not fo.recovery_probe
+            and p.breaker.state != "closed"
+            and (p.breaker.state == "half-open" or self.now >= p.breaker.retry_at())
+            and self.ladder.forced is None
+        ):
+            order = [p, f]
+        else:
+            order = [f, p]
+        if not fo.on_connect_error:
+            order = order[:1]
+        return dest, order[: fo.max_attempts]
+
+    # -- a request ------------------------------------------------------------------
+
+    def arrive(self, q: Request) -> None:
+        self.run.requests += 1
+        if self._overlaps:
+            self._overlap(q)
+        dest, order = self.route()
+        if dest == "maintenance":
+            self.finish_maintenance(q)
+            self._ended(q)
+            return
+        if q.intrinsic:
+            self.run.intrinsic += 1  # the same refusal under any policy
+            self._ended(q)
+            return
+        f = Flight(q, order, self.now)
+        if q.client_gone:
+            self.at(self.now + q.duration, self.client_left, f)
+        self.next_candidate(f)
+
+    # -- sessions: a client's next question waits for its previous answer ------------
+
+    def _done(self, f: Flight) -> None:
+        if not f.done:
+            f.done = True
+            self._ended(f.q)
+
+    def _ended(self, q: Request) -> None:
+        """`q` is over: its session's next request follows after the recorded
+        pause (see `sessions`)."""
+        nxt = self._next_of.pop(id(q), None)
+        if nxt is None:
+            return
+        recorded_end = q.t + q.duration
+        if nxt.t >= recorded_end:
+            self.at(self.now + (nxt.t - recorded_end), self.arrive, nxt)
+        # (an overlapping one was scheduled when `q` arrived)
+
+    def _sessions(self) -> list[Request]:
+        """Arrivals: requests without a session (and each session's first) at
+        their recorded times; a session's later request at the recorded pause
+        after its previous one ended in this replay — or, if the two
+        overlapped in the recording, at the recorded offset from its arrival
+        (scheduled by `_overlap`)."""
+        by: dict[str, list[Request]] = {}
+        free: list[Request] = []
+        for q in self.trace.requests:
+            (by.setdefault(q.session, []) if q.session else free).append(q)
+        for reqs in by.values():
+            free.append(reqs[0])
+            for a, b in itertools.pairwise(reqs):
+                if b.t >= a.t + a.duration:
+                    self._next_of[id(a)] = b
+                else:
+                    self._overlaps[id(a)] = b
+        free.sort(key=lambda q: q.t)
+        return free
+
+    def _overlap(self, q: Request) -> None:
+        b = self._overlaps.pop(id(q), None)
+        if b is not None:
+            self.at(self.now + (b.t - q.t), self.arrive, b)
+
+    def next_candidate(self, f: Flight) -> None:
+        while f.idx < len(f.order):
+            b = f.order[f.idx]
+            permit = b.breaker.allow()
+            if permit is None:
+                f.idx += 1
+                continue
+            f.permit, f.backend = permit, b
+            if f.retries == 0:
+                f.deadline = self.now + b.policy.timeouts.first_byte_s
+            throttle = self.policy.ladder.throttle
+            if b is self.primary and throttle.enabled:
+                try:
+                    if not self.admission.admit(f.q.priority, f.q.client):  # type: ignore[arg-type]
+                        f.waiter = self.admission.enqueue(
+                            f.q.priority,  # type: ignore[arg-type]
+                            f.q.client,
+                            _Slot(self, f),
+                        )
+                        self.at(self.now + throttle.queue_timeout_s, self.queue_timeout, f)
+                        return
+                except Rejected as r:
+                    self.shed(f, r.reason)
+                    return
+                f.slot = True
+            self.send(f, b)
+            return
+        self.unanswered(f)
+
+    def admitted(self, f: Flight) -> None:
+        w = f.waiter
+        f.waiter = None
+        if f.done:  # the client left meanwhile: the slot goes back
+            self.admission.release(f.q.client)
+            return
+        f.slot = True
+        if w is not None:
+            self.admission.waited(w)
+        assert f.backend is not None
+        self.send(f, f.backend)
+
+    def queue_timeout(self, f: Flight) -> None:
+        w = f.waiter
+        if w is None or w.future.done():
+            return
+        self.admission.abandon(w)
+        f.waiter = None
+        self.shed(f, "queue_timeout")
+
+    def shed_waiter(self, f: Flight, reason: str) -> None:
+        f.waiter = None
+        self.shed(f, reason)
+
+    def shed(self, f: Flight, reason: str) -> None:
+        b = f.backend
+        if b is not None:
+            b.breaker.release_trial(f.permit)
+        if f.done:
+            return
+        if f.retries:
+            # A retry's slot went to another request: the next backend (`next_step`).
+            f.idx += 1
+            f.retries = 0
+            self.next_candidate(f)
+            return
+        self._done(f)
+        self.run.shed[f.q.priority] = self.run.shed.get(f.q.priority, 0) + 1
+
+    def send(self, f: Flight, b: Backend) -> None:
+        if f.retries == 0:
+            b.budget.request(self.now, self.policy.ladder.failover.retry_budget_window_s)
+        b.inflight += 1
+        f.sent_at = self.now
+        t = b.policy.timeouts
+        first_byte = max(0.0, f.deadline - self.now)
+        out = b.world.call(f.q, self.now, b.inflight, first_byte, t.idle_s, self.rng)
+        self.at(out.end, self.attempt_end, f, b, out)
+
+    def _release(self, f: Flight, b: Backend) -> None:
+        b.inflight -= 1
+        if f.slot:
+            f.slot = False
+            self.admission.release(f.q.client)
+
+    def attempt_end(self, f: Flight, b: Backend, out: Outcome) -> None:
+        self._release(f, b)
+        permit = f.permit
+        assert permit is not None
+        if f.done:  # the client left: no outcome
+            b.breaker.release_trial(permit)
+            return
+        if out.kind == "ok":
+            assert out.first is not None
+            ttft = out.first - f.sent_at
+            fo = self.policy.ladder.failover
+            if f.q.stream and b is self.primary:
+                self.pressure.record_ttft(ttft)
+            if f.q.stream and fo.ttft_limit_s and ttft > fo.ttft_limit_s:
+                self.failure(b, permit, "slow_ttft")
+            else:
+                b.breaker.record_success(permit)
+            self.answer(f, b, out.first)
+            return
+        if out.kind == "cut":
+            self.failure(b, permit, out.fault)
+            self.rescue(f, b, out)
+            return
+        # Failed before the first byte: retry, the next candidate, or the end.
+        result = AttemptResult(
+            "failed", b.name, out.status, "error", fault=out.fault, retry=_retry_kind(out)
+        )
+        fo = self.policy.ladder.failover
+        d = next_step(
+            result,
+            fo,
+            retries=f.retries,
+            remaining_s=f.deadline - self.now,
+            larger_window_next=False,
+            rand=self.rng.random,
+        )
+        if d.step == "retry" and b.budget.take(
+            self.now, fo.retry_budget_window_s, fo.retry_budget_ratio, fo.retry_budget_min
+        ):
+            f.retries += 1
+            self.at(self.now + d.delay, self._retry, f, b)
+            return
+        self.failure(b, permit, out.fault)
+        f.failed = True
+        f.idx += 1
+        f.retries = 0
+        self.next_candidate(f)
+
+    def _retry(self, f: Flight, b: Backend) -> None:
+        if f.done:
+            return
+        # Same backend: a new permit (the breaker may have moved meanwhile).
+        f.order = [*f.order[: f.idx], b, *f.order[f.idx + 1 :]]
+        self.next_candidate(f)
+
+    def failure(self, b: Backend, permit: Permit, fault: str) -> None:
+        br = b.breaker
+        counted = br.outcomes
+        br.record_failure(permit, fault)
+        if br.outcomes != counted:
+            self.ladder.report_failure(b.name)
+
+    def rescue(self, f: Flight, b: Backend, out: Outcome) -> None:
+        fb = self.fallback
+        pol = self.policy.ladder.failover
+        if (
+            pol.rescue_streams
+            and f.q.stream
+            and f.q.endpoint in ("chat", "completions")
+            and fb is not None
+            and fb is not b
+        ):
+            permit = fb.breaker.allow()
+            if permit is not None:
+                fb.inflight += 1
+                f.sent_at = self.now
+                done = 0.5  # the continuation: about half an answer
+                rest = f.q.tokens_out
+                cont = dataclasses.replace(f.q, tokens_out=max(1, int(rest * done)))
+                o2 = fb.world.call(
+                    cont,
+                    self.now,
+                    fb.inflight,
+                    fb.policy.timeouts.first_byte_s,
+                    fb.policy.timeouts.idle_s,
+                    self.rng,
+                )
+                self.at(o2.end, self.rescue_end, f, fb, permit, o2, out)
+                return
+        self._done(f)
+        self.run.client_errors += 1  # an in-band error event ends the stream
+
+    def rescue_end(self, f: Flight, fb: Backend, permit: Permit, o2: Outcome, cut: Outcome) -> None:
+        fb.inflight -= 1
+        if f.done:
+            fb.breaker.release_trial(permit)
+            return
+        self._done(f)
+        if o2.kind == "ok":
+            fb.breaker.record_success(permit)
+            self.run.rescues += 1
+            self._ttft(f, cut.first if cut.first is not None else self.now)
+            return
+        self.failure(fb, permit, "rescue")
+        self.run.client_errors += 1
+
+    def unanswered(self, f: Flight) -> None:
+        if f.done:
+            return
+        if self.policy.ladder.maintenance.enabled:
+            self.finish_maintenance(f.q)
+        else:
+            self.run.client_errors += 1
+        self._done(f)
+
+    def answer(self, f: Flight, b: Backend, first: float) -> None:
+        self._done(f)
+        self.run.answered[b.name] = self.run.answered.get(b.name, 0) + 1
+        if b is self.fallback:
+            self.run.failovers += 1
+        self._ttft(f, first)
+
+    def _ttft(self, f: Flight, first: float) -> None:
+        if f.q.stream:  # a non-streaming answer's first byte is its last
+            self.run.ttfts.append(first - f.arrived)
+            self.run.ttft_t.append(f.arrived)
+
+    def finish_maintenance(self, q: Request) -> None:
+        self.run.maintenance_answers += 1
+
+    def client_left(self, f: Flight) -> None:
+        if f.done:
+            return
+        self._done(f)
+        self.run.client_gone += 1
+        if f.waiter is not None and not f.waiter.future.done():
+            self.admission.abandon(f.waiter)
+            f.waiter = None
+
+
+def _retry_kind(out: Outcome) -> str:
+    """Whether a failure before the first byte is worth a retry on the same
+    backend: a sporadic 5xx or a reset; not a refused connection, a timeout
+    or an engine that died (the pipeline's own rule, `proxy.pipeline.call`)."""
+    return f"http_{out.status}" if out.fault.startswith("http_5") else ""
+
+
+def replay(policy: Policy, trace: Trace, world: World, seed: int = 0) -> Run:
+    return Sim(policy, trace, world, seed).replay()
+
+
+def tier_at(tiers: list[tuple[float, str]], t: float) -> str:
+    cur = tiers[0][1] if tiers else "normal"
+    for at, tier in tiers:
+        if at > t:
+            break
+        cur = tier
+    return cur
+
+
+def tier_seconds(tiers: list[tuple[float, str]], end: float) -> dict[str, float]:
+    out: dict[str, float] = {t: 0.0 for t in TIERS}
+    for i, (at, tier) in enumerate(tiers):
+        nxt = tiers[i + 1][0] if i + 1 < len(tiers) else end
+        out[tier] += max(0.0, min(nxt, end) - max(at, 0.0))
+    return out

@@ -1,0 +1,628 @@
+"""The backends as a recording saw them: a model each replay asks instead of
+a socket.
+
+**Condition over time.** Each backend's timeline is a series of segments,
+each `up`, `down` (requests fail at once: refused, or an engine error),
+`hung` (requests get nothing until the hang ends), `erroring` (a share `p`
+of requests fail) or `slow` (time to the first token × `factor`). It is inferred from the
+evidence the recording holds: every attempt of every request (an answer is
+`up` at its start and end; a refused connection or a 5xx before the first
+byte is `down` at its start; a first-byte timeout is `hung` from its start;
+a stream cut mid-answer is `down` from the instant it was cut) and every
+health probe (ok: up; refused or 503: down; a timeout: hung). Evidence is
+taken in time order; a state changes half-way between the last evidence of
+the old state and the first of the new (at the very instant for a cut),
+except a lone failure between two successes within
+`SPORADIC_S`, which counts into the background error share of its
+`ERROR_BIN_S` bin (`erroring`) instead. Attempts of requests refused for
+their own sake (4xx, failed on every backend) are no evidence at all.
+A synthetic scenario states its segments (`cond` records) instead.
+
+A request in flight when its backend goes `down` is cut at that instant (a
+stream mid-answer ends with an error: the pipeline's rescue, or before
+its first byte: a failure); one caught by a `hung` stretch waits it out,
+and fails once it outlasts the policy's `first_byte_s` (before the first
+byte) or `idle_s` (mid-answer) — the replayed policy's timeouts, not the
+recorded ones.
+
+**Health probes** answer what the recorded probe nearest in time answered
+(probes do not depend on the policy), else what the segment implies.
+
+**Load model.** Latency depends on how many requests the backend has in
+flight (`n`, counting the new one). From the recorded attempts the model
+takes each backend's concurrency at every attempt's start and fits two
+curves over `n`: the median TTFT, and the median decode time per output
+token, made non-decreasing (more load is never faster). Beyond the largest
+`n` observed they grow linearly: at least by the mean service time ÷ the
+engine's capacity per extra request once `n` exceeds it (a queue: each
+request ahead waits for a slot), the capacity being vLLM's largest
+`num_requests_running` in the pressure samples (else the largest `n`
+seen). A request the recording answered on that backend keeps its own
+latency, scaled by curve(n_replay) / curve(n_recorded); any other gets
+curve(n) times the residual (observed / curve) of the nearest recorded
+answer in time, so slow stretches stay slow. vLLM's gauges for the
+throttle: `waiting` = max(0, n + others − capacity), `running` the rest,
+where `others` is what the engine held beyond the proxy's own requests in
+the nearest sample, and the KV cache moves from its recorded value by the
+fitted KV-per-running-request slope.
+
+**Limits.** The curves are only as good as the load the recording saw: a
+policy admitting far more than was ever admitted is extrapolated (linear
+queueing, no preemption, no KV-cache thrashing); prefill cost by prompt
+length, prefix caching and the fallback's own queue (its 503s) are not
+modelled beyond what the latencies already show; a failure mode the
+recording never exercised (the fallback failing while it was not used)
+cannot be known and is taken as `up`; sporadic errors are drawn at
+random (seeded). The proxy's ~1 ms of own work is ignored.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from proxy.replay.trace import BACKENDS, Cond, EngineSample, Probe, Request, Trace
+
+SPORADIC_S = 2.0
+ERROR_BIN_S = 10.0
+CONNECT_FAIL_S = 0.002  # a refused connection answers at once
+DEFAULTS = {"ttft_s": 0.5, "tpot_s": 0.05, "capacity": 4.0, "error_s": 0.01}
+
+# Evidence classes.
+OK, REFUSED, ERROR, HANG, CUT = "ok", "refused", "error", "hang", "cut"
+_STATE = {OK: "up", REFUSED: "down", ERROR: "down", HANG: "hung", CUT: "down"}
+_FAULT = {REFUSED: "connect", ERROR: "http_500", HANG: "first_byte_timeout", CUT: "upstream_error"}
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    start: float
+    state: str  # up | down | hung | erroring | slow
+    fault: str = ""
+    p: float = 0.0
+    factor: float = 1.0
+
+
+class Outcome(NamedTuple):
+    """What one attempt does: `ok` (answered), `fail` (before the first
+    byte), `cut` (mid-answer)."""
+
+    kind: str
+    first: float | None  # trace time of the first byte
+    end: float
+    fault: str = ""
+    status: int = 200
+
+
+class Curve:
+    """A non-decreasing median per concurrency level, extrapolated linearly."""
+
+    def __init__(self, points: dict[int, list[float]], floor_slope: float, default: float) -> None:
+        levels = sorted(n for n, v in points.items() if v)
+        self.values: list[float] = []
+        if not levels:
+            self.values = [default]
+            self.top = 1
+            self.slope = floor_slope
+            return
+        med = {n: statistics.median(points[n]) for n in levels}
+        self.top = levels[-1]
+        running = 0.0
+        for n in range(1, self.top + 1):
+            if n in med:
+                v = med[n]
+            else:  # interpolate between the observed levels around n
+                lo = max((m for m in levels if m < n), default=levels[0])
+                hi = min((m for m in levels if m > n), default=levels[-1])
+                v = med[lo] if hi == lo else med[lo] + (med[hi] - med[lo]) * (n - lo) / (hi - lo)
+            running = max(running, v)
+            self.values.append(running)
+        tail = self.values[-4:]
+        local = (tail[-1] - tail[0]) / (len(tail) - 1) if len(tail) > 1 else 0.0
+        self.slope = max(local, floor_slope, 0.0)
+
+    def __call__(self, n: int) -> float:
+        n = max(1, n)
+        if n <= len(self.values):
+            return self.values[n - 1]
+        return self.values[-1] + self.slope * (n - len(self.values))
+
+
+@dataclass
+class BackendWorld:
+    name: str
+    segments: list[Segment] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
+    probe_gap: float = 3.0  # a recorded probe this near in time is taken as the answer
+    ttft: Curve = field(default_factory=lambda: Curve({}, 0.0, DEFAULTS["ttft_s"]))
+    tpot: Curve = field(default_factory=lambda: Curve({}, 0.0, DEFAULTS["tpot_s"]))
+    capacity: float = DEFAULTS["capacity"]
+    error_s: float = DEFAULTS["error_s"]
+    observed: int = 0  # answers the load model was fitted on
+    # Residuals of recorded answers (start time → observed / curve).
+    _res_t: list[float] = field(default_factory=list)
+    _res_ttft: list[float] = field(default_factory=list)
+    _res_tpot: list[float] = field(default_factory=list)
+    # Recorded concurrency at this backend (a step function).
+    _n_t: list[float] = field(default_factory=list)
+    _n_v: list[int] = field(default_factory=list)
+    engine: list[EngineSample] = field(default_factory=list)
+    kv_slope: float = 0.0
+    # Instants requests in flight died: streams seen cut, else the start of a
+    # `down` stretch (a port refusing new connections may still finish the
+    # streams it has for a moment: the cut is when they end).
+    kills: list[float] = field(default_factory=list)
+    _starts: list[float] = field(default_factory=list)
+    _probe_t: list[float] = field(default_factory=list)
+    _engine_t: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.index()
+
+    def index(self) -> None:
+        self.segments.sort(key=lambda s: s.start)
+        if not self.segments or self.segments[0].start > -1e17:
+            self.segments.insert(0, Segment(-1e18, "up"))
+        self._starts = [s.start for s in self.segments]
+        self.kills.sort()
+        self._probe_t = [p.t for p in self.probes]
+        self._engine_t = [e.t for e in self.engine]
+
+    # -- condition ----------------------------------------------------------------
+
+    def segment(self, t: float) -> Segment:
+        return self.segments[bisect.bisect_right(self._starts, t) - 1]
+
+    def next_change(self, t: float) -> Segment | None:
+        i = bisect.bisect_right(self._starts, t)
+        return self.segments[i] if i < len(self.segments) else None
+
+    def next_kill(self, t: float) -> float | None:
+        """The next instant after `t` at which requests in flight died."""
+        i = bisect.bisect_right(self.kills, t)
+        return self.kills[i] if i < len(self.kills) else None
+
+    def probe(self, t: float) -> tuple[bool, bool, str | None, float]:
+        """(ok, definitive, error, seconds it takes) of a health probe at `t`."""
+        i = bisect.bisect_left(self._probe_t, t)
+        best: Probe | None = None
+        for j in (i - 1, i):
+            if 0 <= j < len(self.probes):
+                p = self.probes[j]
+                if abs(p.t - t) <= self.probe_gap and (
+                    best is None or abs(p.t - t) < abs(best.t - t)
+                ):
+                    best = p
+        if best is not None:
+            slow = not best.ok and not best.definitive
+            return best.ok, best.definitive, best.error, (1.0 if slow else 0.001)
+        seg = self.segment(t)
+        if seg.state == "down":
+            refused = seg.fault == "connect"
+            why = "connection failed: refused" if refused else "health returned HTTP 503"
+            return False, True, why, 0.001
+        if seg.state == "hung":
+            return False, False, "TimeoutError", 1.0
+        return True, False, None, 0.001
+
+    # -- load -----------------------------------------------------------------------
+
+    def recorded_n(self, t: float) -> int:
+        i = bisect.bisect_right(self._n_t, t) - 1
+        return self._n_v[i] if i >= 0 else 0
+
+    def residual(self, t: float) -> tuple[float, float]:
+        if not self._res_t:
+            return 1.0, 1.0
+        i = bisect.bisect_left(self._res_t, t)
+        j = min(
+            range(max(0, i - 1), min(len(self._res_t), i + 1)),
+            key=lambda k: abs(self._res_t[k] - t),
+        )
+        return self._res_ttft[j], self._res_tpot[j]
+
+    def gauges(self, t: float, n: int) -> tuple[float, float, float]:
+        """vLLM's (waiting, running, kv cache) with `n` of the replay's
+        requests in flight at `t`."""
+        others = 0.0
+        kv_rec, run_rec = None, 0.0
+        if self.engine:
+            i = max(0, bisect.bisect_right(self._engine_t, t) - 1)
+            e = self.engine[i]
+            others = max(0.0, e.waiting + e.running - self.recorded_n(e.t))
+            kv_rec, run_rec = e.kv, e.running
+        total = n + others
+        running = min(total, self.capacity)
+        waiting = max(0.0, total - self.capacity)
+        if kv_rec is None:
+            kv = min(1.0, 0.9 * running / self.capacity + 0.05 * waiting / self.capacity)
+        else:
+            kv = min(1.0, max(0.0, kv_rec + self.kv_slope * (running - run_rec)))
+        return waiting, running, kv
+
+    def latency(self, q: Request, t: float, n: int) -> tuple[float, float]:
+        """(seconds to the first byte, seconds of the whole answer) of `q` on
+        this backend at `t` with `n` in flight (counting `q`)."""
+        rec = next(
+            (
+                a
+                for a in q.attempts
+                if a.backend == self.name and a.kind == "answered" and a.status < 400
+            ),
+            None,
+        )
+        if rec is not None:
+            n0 = max(1, self.recorded_n(rec.start + 1e-6))
+            whole = max(1e-4, rec.end - rec.start)
+            first = rec.ttft if q.stream and rec.ttft is not None else whole
+            first = min(first, whole)
+            ft = first * self.ttft(n) / self.ttft(n0)
+            decode = (whole - first) * self.tpot(n) / self.tpot(n0)
+        else:
+            rt, rp = self.residual(t)
+            ft = self.ttft(n) * rt * q.scale
+            decode = q.tokens_out * self.tpot(n) * rp * q.scale
+            if not q.stream:
+                ft += decode
+                decode = 0.0
+        seg = self.segment(t)
+        if seg.state == "slow":
+            ft *= seg.factor  # a slow prefill: the first token
+        return ft, ft + decode
+
+    # -- one attempt ----------------------------------------------------------------
+
+    def call(
+        self,
+        q: Request,
+        t: float,
+        n: int,
+        first_byte_s: float,
+        idle_s: float,
+        rng: random.Random,
+    ) -> Outcome:
+        """What an attempt of `q` sent at `t` does (its whole course, decided
+        now: later segments are known)."""
+        seg = self.segment(t)
+        if seg.state == "down":
+            wait = CONNECT_FAIL_S if seg.fault == "connect" else self.error_s
+            return Outcome(
+                "fail",
+                None,
+                t + wait,
+                seg.fault or "connect",
+                502 if seg.fault == "connect" else 500,
+            )
+        if seg.state == "erroring" and rng.random() < seg.p:
+            return Outcome("fail", None, t + self.error_s, seg.fault or "http_500", 500)
+        first_s, whole_s = self.latency(q, t, n)
+        first, end = t + first_s, t + whole_s
+        clock = t
+        if seg.state == "hung":  # nothing until the hang ends
+            clock = self._hang_end(t)
+            first += clock - t
+            end += clock - t
+            if first > t + first_byte_s:
+                return Outcome("fail", None, t + first_byte_s, "first_byte_timeout", 504)
+        while True:
+            nxt = self.next_change(clock)
+            kill = self.next_kill(clock)
+            if kill is not None and kill < end and (nxt is None or kill <= nxt.start):
+                # The backend died with this request in flight.
+                if kill < first:
+                    return Outcome("fail", None, kill, "upstream_error", 502)
+                return Outcome("cut", first, kill, "upstream_disconnect", 200)
+            if nxt is None or nxt.start >= end:
+                break
+            clock = nxt.start
+            if nxt.state == "hung":
+                resume = self._hang_end(clock)
+                stall = resume - clock
+                if clock < first:
+                    if first + stall > t + first_byte_s:
+                        return Outcome("fail", None, t + first_byte_s, "first_byte_timeout", 504)
+                    first += stall
+                elif stall > idle_s:
+                    return Outcome("cut", first, clock + idle_s, "idle_timeout", 200)
+                end += stall
+                clock = resume
+        if first > t + first_byte_s:
+            return Outcome("fail", None, t + first_byte_s, "first_byte_timeout", 504)
+        return Outcome("ok", first, end)
+
+    def _hang_end(self, t: float) -> float:
+        i = bisect.bisect_right(self._starts, t)
+        while i < len(self.segments) and self.segments[i].state == "hung":
+            i += 1
+        return self.segments[i].start if i < len(self.segments) else math.inf
+
+
+@dataclass
+class World:
+    backends: dict[str, BackendWorld]
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_world(trace: Trace, idle_s: float = 30.0) -> World:
+    notes: list[str] = []
+    out: dict[str, BackendWorld] = {}
+    conds: dict[str, list[Cond]] = defaultdict(list)
+    for c in trace.conds:
+        conds[c.backend].append(c)
+    ordinary = [q for q in trace.requests if not q.intrinsic]
+    for name in BACKENDS:
+        attempts = [a for q in ordinary for a in q.attempts if a.backend == name]
+        probes = [p for p in trace.probes if p.backend == name]
+        cuts: list[float] = []
+        if conds[name]:
+            segments = [Segment(c.t, c.state, c.fault, c.p, c.factor) for c in conds[name]]
+        else:
+            segments = infer_segments(attempts, probes, idle_s)
+            cuts = sorted(
+                a.end
+                for a in attempts
+                if a.kind == "ended" and a.fault not in ("invalid_output", "idle_timeout")
+            )
+        gap = _probe_gap(probes)
+        bw = BackendWorld(
+            name, segments=segments, probes=probes, probe_gap=gap, kills=_kills(segments, cuts)
+        )
+        _fit(bw, trace, name, notes)
+        out[name] = bw
+    return World(out, notes)
+
+
+KILL_NEAR_S = 1.0  # streams cut this near a `down` stretch's start died with it
+
+
+def _kills(segments: list[Segment], cuts: list[float]) -> list[float]:
+    """When requests in flight died: each `down` stretch entered from a
+    working state kills at the first stream cut near its start (the cut is
+    the fact; a refused probe can come a moment earlier), else at its start;
+    cuts far from any such start (a stream that broke alone) are kills of
+    their own."""
+    out: list[float] = []
+    used: set[int] = set()
+    prev = "up"
+    for s in segments:
+        if s.state == "down" and prev not in ("down", "hung"):
+            near = [
+                i for i, c in enumerate(cuts) if s.start - KILL_NEAR_S <= c <= s.start + KILL_NEAR_S
+            ]
+            if near:
+                out.append(cuts[near[0]])
+                used.update(near)
+            else:
+                out.append(s.start)
+        prev = s.state
+    return sorted(out)
+
+
+def _probe_gap(probes: Sequence[Probe]) -> float:
+    if len(probes) < 2:
+        return 0.0
+    gaps = [b.t - a.t for a, b in itertools.pairwise(probes) if b.t > a.t]
+    return 1.5 * statistics.median(gaps) if gaps else 0.0
+
+
+def _evidence(
+    attempts: Sequence[object], probes: Sequence[Probe], idle_s: float
+) -> list[tuple[float, str, str]]:
+    from proxy.replay.trace import Attempt
+
+    ev: list[tuple[float, str, str]] = []
+    for a in attempts:
+        assert isinstance(a, Attempt)
+        if a.kind == "answered":
+            if a.status >= 500:
+                ev.append((a.start, ERROR, f"http_{a.status}"))
+            else:
+                ev.append((a.start, OK, ""))
+                ev.append((a.end, OK, ""))
+        elif a.kind == "failed":
+            f = a.fault
+            if f == "connect":
+                ev.append((a.start, REFUSED, f))
+            elif f in ("first_byte_timeout", "connect_timeout"):
+                ev.append((a.start, HANG, f))
+            elif f:
+                ev.append((a.start, ERROR, f))
+            # no fault: load (a 429, a 503 with Retry-After) — the backend works
+            else:
+                ev.append((a.start, OK, ""))
+        elif a.kind == "ended":
+            if a.fault == "idle_timeout":
+                ev.append((max(a.start, a.end - idle_s), HANG, a.fault))
+            elif a.fault != "invalid_output":
+                ev.append((a.start, OK, ""))
+                ev.append((a.end, CUT, a.fault))
+    for p in probes:
+        if p.ok:
+            ev.append((p.t, OK, ""))
+        elif p.definitive:
+            refused = (p.error or "").startswith("connection")
+            ev.append((p.t, REFUSED if refused else ERROR, "connect" if refused else "http_503"))
+        else:
+            ev.append((p.t, HANG, "probe_timeout"))
+    ev.sort(key=lambda e: e[0])
+    return ev
+
+
+def infer_segments(
+    attempts: Sequence[object], probes: Sequence[Probe], idle_s: float = 30.0
+) -> list[Segment]:
+    """The condition timeline from the evidence (see the module text)."""
+    ev = _evidence(attempts, probes, idle_s)
+    sporadic: list[bool] = [False] * len(ev)
+    for i, (t, cls, _) in enumerate(ev):
+        if cls in (OK, CUT):
+            continue
+        prev = next((ev[j] for j in range(i - 1, -1, -1) if ev[j][0] < t), None)
+        nxt = next((ev[j] for j in range(i + 1, len(ev)) if ev[j][0] > t), None)
+        if (
+            prev is not None
+            and nxt is not None
+            and prev[1] == OK
+            and nxt[1] == OK
+            and nxt[0] - prev[0] <= SPORADIC_S
+            and cls == ERROR
+        ):
+            sporadic[i] = True
+    # The background error share per bin, from sporadic errors among answers.
+    fails: dict[int, int] = defaultdict(int)
+    oks: dict[int, int] = defaultdict(int)
+    fault_of: dict[int, str] = {}
+    for (t, cls, fault), sp in zip(ev, sporadic, strict=True):
+        b = int(t // ERROR_BIN_S)
+        if sp:
+            fails[b] += 1
+            fault_of[b] = fault
+        elif cls == OK:
+            oks[b] += 1
+    segs: list[Segment] = [Segment(-1e18, "up")]
+    state = "up"
+    fault = ""
+    last = -math.inf  # the last evidence of the current state
+    for (t, cls, f), sp in zip(ev, sporadic, strict=True):
+        if sp:
+            continue
+        new = _STATE[cls]
+        new_fault = _FAULT.get(cls, "") if cls != ERROR else (f or "http_500")
+        if cls == REFUSED:
+            new_fault = "connect"
+        if new != state or (new == "down" and new_fault != fault and cls != CUT):
+            # The change happened between the last evidence of the old state
+            # and this one: the middle (a cut is seen at its very instant).
+            at = t if cls == CUT or last == -math.inf else (last + t) / 2
+            segs.append(Segment(at, new, new_fault))
+            state, fault = new, new_fault
+        last = t
+    # Lay the background error share over the `up` stretches.
+    out: list[Segment] = []
+    for i, s in enumerate(segs):
+        out.append(s)
+        if s.state != "up":
+            continue
+        end = segs[i + 1].start if i + 1 < len(segs) else math.inf
+        for b in sorted(fails):
+            lo = b * ERROR_BIN_S
+            if lo + ERROR_BIN_S <= s.start or lo >= end:
+                continue
+            p = fails[b] / (fails[b] + oks[b])
+            out.append(Segment(max(lo, s.start), "erroring", fault_of[b], p))
+            hi = lo + ERROR_BIN_S
+            if hi < end:
+                out.append(Segment(hi, "up"))
+    return out
+
+
+def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
+    """The load model of one backend (see the module text)."""
+    spans: list[tuple[float, float]] = []
+    for q in trace.requests:
+        for a in q.attempts:
+            if a.backend == name and a.kind not in ("shed",):
+                spans.append((a.start, a.end))
+    marks = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    n = 0
+    for t, d in marks:
+        n += d
+        bw._n_t.append(t)
+        bw._n_v.append(n)
+    model = trace.models.get(name, {})
+    bw.engine = [e for e in trace.engine] if name == "primary" else []
+    running = [e.running for e in bw.engine]
+    answers: list[tuple[float, int, float, float]] = []  # start, n, ttft, tpot
+    for q in trace.requests:
+        if q.intrinsic:
+            continue
+        for a in q.attempts:
+            if a.backend != name or a.kind != "answered" or a.status >= 400:
+                continue
+            whole = max(1e-4, a.end - a.start)
+            first = a.ttft if q.stream and a.ttft is not None else whole
+            first = min(first, whole)
+            tpot = (whole - first) / max(1, q.tokens_out) if q.stream else 0.0
+            answers.append((a.start, max(1, bw.recorded_n(a.start + 1e-6)), first, tpot))
+    bw.observed = len(answers)
+    seen_top = max((x[1] for x in answers), default=0)
+    cap = model.get("capacity") or (max(running) if running and max(running) > 0 else 0.0)
+    bw.capacity = float(cap or seen_top or DEFAULTS["capacity"])
+    ttft_pts: dict[int, list[float]] = defaultdict(list)
+    tpot_pts: dict[int, list[float]] = defaultdict(list)
+    for _, k, ft, tp in answers:
+        ttft_pts[k].append(ft)
+        if tp > 0:
+            tpot_pts[k].append(tp)
+    med_ttft = (
+        statistics.median([x[2] for x in answers])
+        if answers
+        else model.get("ttft_s", DEFAULTS["ttft_s"])
+    )
+    tp_all = [x[3] for x in answers if x[3] > 0]
+    med_tpot = statistics.median(tp_all) if tp_all else model.get("tpot_s", DEFAULTS["tpot_s"])
+    wholes = [
+        a.end - a.start
+        for q in trace.requests
+        for a in q.attempts
+        if a.backend == name and a.kind == "answered" and a.status < 400
+    ]
+    tokens = statistics.median([q.tokens_out for q in trace.requests]) if trace.requests else 64
+    mean_service = statistics.median(wholes) if wholes else med_ttft + tokens * med_tpot
+    queue_slope = mean_service / bw.capacity
+    bw.ttft = Curve(
+        ttft_pts, queue_slope if not model else model.get("queue_s", queue_slope), med_ttft
+    )
+    bw.tpot = Curve(tpot_pts, 0.0, med_tpot)
+    if "ttft_s" in model and not answers:
+        # A scenario: TTFT grows by `slope_s` per request in flight beyond the capacity.
+        bw.ttft = _model_curve(model["ttft_s"], model.get("slope_s", queue_slope), bw.capacity)
+        bw.tpot = _model_curve(
+            model.get("tpot_s", DEFAULTS["tpot_s"]), model.get("tpot_slope_s", 0.0), bw.capacity
+        )
+    errors = [
+        a.end - a.start
+        for q in trace.requests
+        for a in q.attempts
+        if a.backend == name
+        and a.kind == "failed"
+        and a.fault not in ("first_byte_timeout", "connect_timeout")
+    ]
+    if errors:
+        bw.error_s = max(0.001, statistics.median(errors))
+    for start, k, ft, tp in answers:
+        bw._res_t.append(start)
+        bw._res_ttft.append(ft / max(1e-6, bw.ttft(k)))
+        bw._res_tpot.append(tp / max(1e-9, bw.tpot(k)) if tp > 0 else 1.0)
+    if bw.engine and len(bw.engine) > 3:
+        xs = [e.running for e in bw.engine]
+        ys = [e.kv for e in bw.engine]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 0:
+            bw.kv_slope = max(
+                0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+            )
+    if not answers and not model:
+        notes.append(
+            f"no answers of the {name} were recorded: its latency is a default "
+            f"({DEFAULTS['ttft_s']} s to the first token)"
+        )
+    bw.index()
+
+
+def _model_curve(base: float, slope: float, capacity: float) -> Curve:
+    top = max(1, int(capacity))
+    c = Curve({k: [base] for k in range(1, top + 1)}, slope, base)
+    c.slope = slope
+    return c
