@@ -369,6 +369,7 @@ async def attempt(
                 )
         t_call = rec.loop.time()
         rec.overhead_pre = t_call - rec.t0
+        inbox.call_at = t_call
         if rec.stream or passthrough:
             resp = await call(rec, up, url, payload, deadline, method)
         else:

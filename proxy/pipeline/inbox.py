@@ -25,7 +25,17 @@ log = structlog.get_logger("brownout.request")
 
 
 class Inbox:
-    __slots__ = ("_who", "attempts", "body", "candidate_fault", "request", "retries", "rid", "rt")
+    __slots__ = (
+        "_who",
+        "attempts",
+        "body",
+        "call_at",
+        "candidate_fault",
+        "request",
+        "retries",
+        "rid",
+        "rt",
+    )
 
     def __init__(
         self,
@@ -42,8 +52,13 @@ class Inbox:
         self._who: str | None = None
         # For the flight recorder (only while it records): each attempt as
         # (backend, kind, status, fault, ttft, end offset), and the retries.
-        self.attempts: list[tuple[str, str, int, str, float | None, float]] | None = None
+        self.attempts: list[tuple[str, str, int, str, float | None, float, float | None]] | None = (
+            None
+        )
         self.retries = 0
+        # When the current attempt's backend call began (after admission); None
+        # before it (a shed, a refusal): the recorder's attempt start.
+        self.call_at: float | None = None
 
     @property
     def who(self) -> str:
@@ -76,7 +91,10 @@ class Inbox:
         t0 = self.rt.clock()
         if self.attempts is None:
             self.attempts = []
-        self.attempts.append((up.name, result.kind, result.status, result.fault, result.ttft, t0))
+        self.attempts.append(
+            (up.name, result.kind, result.status, result.fault, result.ttft, t0, self.call_at)
+        )
+        self.call_at = None
 
     @property
     def client(self) -> str:

@@ -127,6 +127,7 @@ async def _rescue_on(
         partial_chars=len(partial),
     )
     t_call = rec.loop.time()
+    inbox.call_at = t_call
     deadline = t_call + fb.policy.timeouts.first_byte_s
     url = fb.chat_url if rec.chat else fb.completions_url
     try:

@@ -195,6 +195,13 @@ def fidelity(trace: Trace, baseline: Run) -> dict[str, Any]:
         )
     if trace.gaps:
         reasons.append(f"the recorder dropped {trace.gaps} records: the trace has holes")
+    stalls = trace.stalls()
+    if stalls and reasons:
+        longest = max(b - a for a, b in stalls)
+        reasons.append(
+            f"the recorded proxy's event loop stood still {len(stalls)} time(s), up to "
+            f"{longest:.1f} s (a busy host?): its timing there is not reproducible"
+        )
     if trace.truncated:
         reasons.append(f"{trace.truncated} segment(s) cut short by a crash")
     return {

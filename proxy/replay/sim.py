@@ -45,6 +45,7 @@ from proxy.replay.trace import Request, Trace
 from proxy.replay.world import BackendWorld, Outcome, World
 
 TAIL_S = 5.0  # the replay runs this long past the last record
+EXACT_SLACK = 4.0  # a recorded turn this many periods late is still the next one
 SERIES_S = 1.0  # resolution of the time series in the report
 
 
@@ -126,7 +127,8 @@ class Flight:
     slot: bool = False  # holds an admission slot
     waiter: Waiter | None = None
     sent_at: float = 0.0
-    deadline: float = 0.0  # the current candidate's first-byte deadline
+    started: float = 0.0  # the current candidate's first admission
+    deadline: float = 0.0  # the current attempt's first-byte deadline
     done: bool = False
     failed: bool = False  # some attempt failed before the first byte (the last result)
     cut: bool = False
@@ -185,6 +187,17 @@ class Sim:
         self.run.tiers.append((0.0, self.ladder.tier))
         knobs = trace.recorded_policy or {}
         self._recorded_window = knobs.get("ladder.recovery.window_s")
+        self._recorded_scrape = knobs.get("ladder.throttle.scrape_interval_s")
+        self._stalls = trace.stalls()
+        self._stall_starts = [a for a, _ in self._stalls]
+        self._scrapes = sorted([e.t for e in trace.engine] + trace.scrape_failures)
+        self._probe_times: dict[str, list[float]] = {}
+        self._recorded_probe: dict[str, object] = {}
+        for p in trace.probes:
+            self._probe_times.setdefault(p.backend, []).append(p.t)
+        for name in self._probe_times:
+            self._recorded_probe[name] = knobs.get(f"backends.{name}.health.interval_s")
+        self._scrape_fails = sorted(trace.scrape_failures)
 
     # -- the clock ------------------------------------------------------------------
 
@@ -192,14 +205,27 @@ class Sim:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, fn, args))
 
+    def periodic(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        """Schedule a loop's next turn; one due while the recorded proxy's
+        event loop stood still runs when it moved again."""
+        stalls = self._stalls
+        if stalls:
+            i = bisect.bisect_right(self._stall_starts, t) - 1
+            if i >= 0 and stalls[i][0] < t < stalls[i][1]:
+                t = stalls[i][1]
+        self.at(t, fn, *args)
+
     def replay(self) -> Run:
         end = self.trace.end + TAIL_S
         lad = self.policy.ladder
         self.at(lad.recovery.window_s, self.tick)
         for b in self.backends.values():
-            self.at(0.0, self.health_probe, b)
+            first = (self._probe_times.get(b.name) or [0.0])[0]
+            anchored = self._anchored_probes(b) and first < b.policy.health.interval_s
+            self.at(first if anchored else 0.0, self.health_probe, b)
         if self.primary.policy.kind == "vllm" and lad.throttle.scrape_interval_s > 0:
-            self.at(0.0, self.scrape)
+            first = self._scrapes[0] if self._scrapes else 0.0
+            self.at(first if first < lad.throttle.scrape_interval_s else 0.0, self.scrape)
         self.at(0.0, self.sample)
         for t, tier in self.trace.forces:
             self.at(t, self.force, tier)
@@ -252,19 +278,29 @@ class Sim:
                         self.now + took, self.recovery_probe_done, b, permit, ok, definitive, err
                     )
         self.evaluate(window=True)
-        self.at(self._next_tick(), self.tick)
+        self.periodic(self._next_tick(), self.tick)
 
     def _next_tick(self) -> float:
-        """One window on, at the recorded evaluation's instant when one is
-        known near it (the recorded loop's phase: its own timing, not the
-        policy's), for a replay with the recorded window."""
         w = self.policy.ladder.recovery.window_s
+        return self._aligned(w, self.trace.ticks, self._recorded_window, self.trace.exact_ticks)
+
+    def _aligned(
+        self, w: float, anchors: list[float], recorded_w: object, exact: bool = True
+    ) -> float:
+        """When a loop's next turn comes: with the recorded period, at the
+        recorded turn — the next one when every turn was recorded (`exact`:
+        the recorded loop's own pace, lags of a busy host included), else a
+        known one near `now + w` (its phase); otherwise `now + w`."""
         nxt = self.now + w
-        ticks = self.trace.ticks
-        if ticks and w == self._recorded_window:
-            i = bisect.bisect_left(ticks, nxt - w / 2)
-            if i < len(ticks) and ticks[i] <= nxt + w / 2 and ticks[i] > self.now:
-                return ticks[i]
+        if anchors and w == recorded_w:
+            if exact:
+                i = bisect.bisect_right(anchors, self.now)
+                if i < len(anchors) and anchors[i] <= self.now + EXACT_SLACK * w:
+                    return anchors[i]
+                return nxt
+            i = bisect.bisect_left(anchors, nxt - w / 2)
+            if i < len(anchors) and anchors[i] <= nxt + w / 2 and anchors[i] > self.now:
+                return anchors[i]
         return nxt
 
     def recovery_probe_done(
@@ -280,12 +316,22 @@ class Sim:
 
     def health_probe(self, b: Backend) -> None:
         ok, definitive, err, took = b.world.probe(self.now)
+        if self._anchored_probes(b):
+            took = 0.0  # the recorded instants are the probes' ends
         took = min(took, b.policy.health.timeout_s)
         self.at(self.now + took, self._probed, b, ok, definitive, err)
 
+    def _anchored_probes(self, b: Backend) -> bool:
+        return bool(self._probe_times.get(b.name)) and (
+            b.policy.health.interval_s == self._recorded_probe.get(b.name)
+        )
+
     def _probed(self, b: Backend, ok: bool, definitive: bool, err: str | None) -> None:
         self._set_health(b, ok, definitive, err)
-        self.at(self.now + b.policy.health.interval_s, self.health_probe, b)
+        anchors = self._probe_times.get(b.name, [])
+        recorded = self._recorded_probe.get(b.name)
+        nxt = self._aligned(b.policy.health.interval_s, anchors, recorded)
+        self.periodic(nxt, self.health_probe, b)
 
     def _set_health(self, b: Backend, ok: bool, definitive: bool, err: str | None) -> None:
         h = b.health
@@ -294,10 +340,19 @@ class Sim:
 
     def scrape(self) -> None:
         p = self.primary
-        w, r, kv = p.world.gauges(self.now, p.inflight)
-        self.pressure.update_engine(EngineGauges(waiting=w, running=r, kv_cache=kv))
-        self._gauges = (w, r, kv)
-        self.at(self.now + self.policy.ladder.throttle.scrape_interval_s, self.scrape)
+        interval = self.policy.ladder.throttle.scrape_interval_s
+        fails = self._scrape_fails
+        i = bisect.bisect_left(fails, self.now - interval / 2)
+        if i < len(fails) and fails[i] <= self.now + interval / 2:
+            # The recorded scrape near this instant failed (vLLM's /metrics did
+            # not answer): the gauges stay what they were, as in `scrape_forever`.
+            pass
+        else:
+            w, r, kv = p.world.gauges(self.now, p.inflight)
+            self.pressure.update_engine(EngineGauges(waiting=w, running=r, kv_cache=kv))
+            self._gauges = (w, r, kv)
+        interval = self.policy.ladder.throttle.scrape_interval_s
+        self.periodic(self._aligned(interval, self._scrapes, self._recorded_scrape), self.scrape)
 
     _gauges: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
@@ -454,7 +509,7 @@ class Sim:
                 continue
             f.permit, f.backend = permit, b
             if f.retries == 0:
-                f.deadline = self.now + b.policy.timeouts.first_byte_s
+                f.started = self.now
             throttle = self.policy.ladder.throttle
             if b is self.primary and throttle.enabled:
                 try:
@@ -514,8 +569,15 @@ class Sim:
         self.run.shed[f.q.priority] = self.run.shed.get(f.q.priority, 0) + 1
 
     def send(self, f: Flight, b: Backend) -> None:
+        # The first attempt's first-byte deadline starts after admission; a
+        # retry keeps the candidate's, from before its first admission
+        # (`run_attempts`).
+        fb = b.policy.timeouts.first_byte_s
         if f.retries == 0:
+            f.deadline = self.now + fb
             b.budget.request(self.now, self.policy.ladder.failover.retry_budget_window_s)
+        else:
+            f.deadline = f.started + fb
         b.inflight += 1
         f.sent_at = self.now
         t = b.policy.timeouts
@@ -653,7 +715,7 @@ class Sim:
 
     def _ttft(self, f: Flight, first: float) -> None:
         if f.q.stream:  # a non-streaming answer's first byte is its last
-            self.run.ttfts.append(first - f.arrived)
+            self.run.ttfts.append(first - f.arrived + f.q.overhead)
             self.run.ttft_t.append(f.arrived)
 
     def finish_maintenance(self, q: Request) -> None:

@@ -10,6 +10,7 @@ for are kept out; nothing here decides anything.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from proxy.policy import Policy, parse_policy
 from proxy.telemetry.recording import Reader, read_trace
 
 BACKENDS = ("primary", "fallback")
+STALL_FACTOR = 1.8  # a gap between two once-a-second samples this long is a stall
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,10 @@ class Request:
     retries: int
     scale: float = 1.0  # a scenario's latency factor for this request
     session: str = ""  # hashed X-Session-Id: a session's requests follow one another
+    # The proxy's own time in the client's TTFT (relay, a busy event loop):
+    # the recorded client TTFT less the wait for the backend call and the
+    # backend's own TTFT. Replayed as recorded.
+    overhead: float = 0.0
 
     @property
     def shed(self) -> bool:
@@ -114,6 +120,7 @@ class Trace:
     requests: list[Request] = field(default_factory=list)
     probes: list[Probe] = field(default_factory=list)
     engine: list[EngineSample] = field(default_factory=list)
+    scrape_failures: list[float] = field(default_factory=list)  # /metrics did not answer
     tiers: list[tuple[float, str, str, str]] = field(default_factory=list)  # t, from, to, why
     initial_tier: str = "normal"
     forces: list[tuple[float, str | None]] = field(default_factory=list)
@@ -125,6 +132,7 @@ class Trace:
     # Instants the recorded proxy evaluated its ladder window (what happens
     # only there: a limit change, an open breaker's reset timeout).
     ticks: list[float] = field(default_factory=list)
+    exact_ticks: bool = False  # `tick` records: every evaluation's instant
     models: dict[str, dict[str, float]] = field(default_factory=dict)  # scenario latency models
     gaps: int = 0  # records the recorder dropped
     skipped: int = 0  # unreadable lines
@@ -135,6 +143,13 @@ class Trace:
     @property
     def duration(self) -> float:
         return self.end
+
+    def stalls(self, sample_s: float = 1.0) -> list[tuple[float, float]]:
+        """Stretches in which the recorded proxy's event loop did not run its
+        once-a-second sample (a host too busy, a blocking call): its loops
+        (ladder windows, probes, scrapes) did not run either."""
+        ts = [s["t"] for s in self.samples]
+        return [(a, b) for a, b in itertools.pairwise(ts) if b - a > STALL_FACTOR * sample_s]
 
     @property
     def recorded_policy(self) -> dict[str, Any] | None:
@@ -181,8 +196,14 @@ class Trace:
 
 
 def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
-    if k == "breaker" and r.get("from") == "open" and r.get("to") == "half-open":
+    if k == "tick":
+        if not tr.exact_ticks:  # the instants recorded: no need to guess them
+            tr.exact_ticks = True
+            tr.ticks.clear()
         tr.ticks.append(t)
+    elif k == "breaker" and r.get("from") == "open" and r.get("to") == "half-open":
+        if not tr.exact_ticks:
+            tr.ticks.append(t)
     elif k == "req":
         tr.requests.append(_request(t, r))
     elif k == "probe":
@@ -194,13 +215,16 @@ def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
                     t, float(r["w"]), float(r["r"]), float(r["kv"]), float(r.get("rej") or 0.0)
                 )
             )
+        else:
+            tr.scrape_failures.append(t)
     elif k == "tier":
         tr.tiers.append((t, r["from"], r["to"], r.get("why", "")))
     elif k == "force":
         tr.forces.append((t, r.get("tier")))
     elif k == "limit":
         tr.limits.append((t, int(r["to"])))
-        tr.ticks.append(t)
+        if not tr.exact_ticks:
+            tr.ticks.append(t)
     elif k == "sample":
         tr.samples.append({**r, "t": t})
     elif k == "policy":
@@ -230,10 +254,19 @@ def _request(t: float, r: dict[str, Any]) -> Request:
     atts = []
     prev_end = 0.0
     for a in r.get("att") or ():
-        b, kind, status, fault, ttft, end = a
+        b, kind, status, fault, ttft, end = a[:6]
+        call = a[6] if len(a) > 6 else None
         end = float(end) if end is not None else prev_end
-        atts.append(Attempt(b, kind, int(status), fault or "", ttft, t + prev_end, t + end))
+        # The backend call began after admission (an older recording: at the
+        # end of the attempt before).
+        start = float(call) if call is not None else prev_end
+        atts.append(Attempt(b, kind, int(status), fault or "", ttft, t + start, t + end))
         prev_end = end
+    overhead = 0.0
+    ttft = r.get("ttft")
+    ans = next((a for a in reversed(atts) if a.kind == "answered"), None)
+    if ans is not None and ans.ttft is not None and isinstance(ttft, int | float):
+        overhead = max(0.0, min(5.0, float(ttft) - (ans.start - t) - ans.ttft))
     n = r.get("n")
     mt = r.get("mt")
     tokens = int(n) if isinstance(n, int) and n > 0 else int(mt) if isinstance(mt, int) else 64
@@ -255,6 +288,7 @@ def _request(t: float, r: dict[str, Any]) -> Request:
         retries=int(r.get("rt") or 0),
         scale=float(r.get("scale") or 1.0),
         session=r.get("sid") or "",
+        overhead=overhead,
     )
 
 

@@ -374,8 +374,13 @@ def build_world(trace: Trace, idle_s: float = 30.0) -> World:
                 if a.kind == "ended" and a.fault not in ("invalid_output", "idle_timeout")
             )
         gap = _probe_gap(probes)
+        survived = [(a.start, a.end) for a in attempts if a.kind == "answered" and a.status < 500]
         bw = BackendWorld(
-            name, segments=segments, probes=probes, probe_gap=gap, kills=_kills(segments, cuts)
+            name,
+            segments=segments,
+            probes=probes,
+            probe_gap=gap,
+            kills=_kills(segments, cuts, survived),
         )
         _fit(bw, trace, name, notes)
         out[name] = bw
@@ -385,24 +390,23 @@ def build_world(trace: Trace, idle_s: float = 30.0) -> World:
 KILL_NEAR_S = 1.0  # streams cut this near a `down` stretch's start died with it
 
 
-def _kills(segments: list[Segment], cuts: list[float]) -> list[float]:
+def _kills(
+    segments: list[Segment], cuts: list[float], survived: list[tuple[float, float]]
+) -> list[float]:
     """When requests in flight died: each `down` stretch entered from a
     working state kills at the first stream cut near its start (the cut is
-    the fact; a refused probe can come a moment earlier), else at its start;
-    cuts far from any such start (a stream that broke alone) are kills of
-    their own."""
+    the fact; a refused probe can come a moment earlier); with no cut near
+    it, at its start — unless a recorded answer was in flight across that
+    start and finished (the server stopped taking requests but finished
+    the ones it had: no kill)."""
     out: list[float] = []
-    used: set[int] = set()
     prev = "up"
     for s in segments:
         if s.state == "down" and prev not in ("down", "hung"):
-            near = [
-                i for i, c in enumerate(cuts) if s.start - KILL_NEAR_S <= c <= s.start + KILL_NEAR_S
-            ]
+            near = [c for c in cuts if s.start - KILL_NEAR_S <= c <= s.start + KILL_NEAR_S]
             if near:
-                out.append(cuts[near[0]])
-                used.update(near)
-            else:
+                out.append(near[0])
+            elif not any(a < s.start < b for a, b in survived):
                 out.append(s.start)
         prev = s.state
     return sorted(out)
@@ -427,8 +431,12 @@ def _evidence(
             if a.status >= 500:
                 ev.append((a.start, ERROR, f"http_{a.status}"))
             else:
+                # It took the request and answered: up then. (Its end is no
+                # evidence for new requests: a server that stopped taking
+                # them may still finish the streams it has.)
                 ev.append((a.start, OK, ""))
-                ev.append((a.end, OK, ""))
+                if a.ttft is not None:
+                    ev.append((a.start + a.ttft, OK, ""))
         elif a.kind == "failed":
             f = a.fault
             if f == "connect":
@@ -445,6 +453,8 @@ def _evidence(
                 ev.append((max(a.start, a.end - idle_s), HANG, a.fault))
             elif a.fault != "invalid_output":
                 ev.append((a.start, OK, ""))
+                if a.ttft is not None:
+                    ev.append((a.start + a.ttft, OK, ""))
                 ev.append((a.end, CUT, a.fault))
     for p in probes:
         if p.ok:

@@ -67,6 +67,9 @@ class Evaluator:
     def tick(self) -> None:
         """One window: start the probes that are due, then evaluate. No await."""
         rt = self.state.current
+        recorder = self.state.recorder
+        if recorder is not None:
+            recorder.put(("tick", rt.clock()))
         if rt.policy.ladder.failover.recovery_probe:
             now = rt.clock()
             for up in rt.upstreams.values():

@@ -105,6 +105,7 @@ class Recorder:
             "tier": _tier,
             "limit": _limit,
             "force": _force,
+            "tick": _tick,
             "policy": self._policy,
             "reload": _reload,
         }
@@ -190,7 +191,7 @@ class Recorder:
             except Exception:  # a record the encoder cannot take: lost, counted
                 self.lost += 1
                 continue
-            rec["t"] = round(item[1] + self.wall_offset, 3)
+            rec["t"] = round(item[1] + self.wall_offset, 6)  # µs: the order of near events
             if item[0] == "policy":
                 self._policy_line = orjson.dumps(rec)
                 lines.append(self._policy_line)
@@ -350,8 +351,16 @@ class Recorder:
             "pt": _prompt_tokens(body, raw_len),
             "mt": mt if isinstance(mt, int) else None,
             "att": [
-                [b, kind, st, fault or None, _r(tt), _r(end - _t)]
-                for b, kind, st, fault, tt, end in attempts or ()
+                [
+                    b,
+                    kind,
+                    st,
+                    fault or None,
+                    _r(tt),
+                    _r(end - _t),
+                    None if start is None else _r(start - _t),
+                ]
+                for b, kind, st, fault, tt, end, start in attempts or ()
             ],
             "be": backend,
             "s": status,
@@ -442,6 +451,10 @@ def _sample(
 
 def _tier(_t: float, old: str, new: str, why: str, detail: str) -> dict[str, Any]:
     return {"k": "tier", "from": old, "to": new, "why": why, "detail": detail[:200]}
+
+
+def _tick(_t: float) -> dict[str, Any]:
+    return {"k": "tick"}
 
 
 def _force(_t: float, tier: str | None) -> dict[str, Any]:

@@ -15,7 +15,8 @@ kind in `k` and its wall-clock time in `t` (Unix seconds):
     req      one request, at its arrival time: endpoint `ep`, priority `pri`,
              stream `st`, hashed session `sid` and client `cl`, prompt tokens
              `pt` (estimated: bytes / 4), `mt` max_tokens, the attempts `att`
-             ([backend, kind, status, fault, ttft, end offset s] each), what the
+             ([backend, kind, status, fault, ttft, end offset s, offset s of the
+             backend call, after admission: null if it never called] each), what the
              client got (`be` backend, `s` status, `o` outcome, `ttft` client
              TTFT, `d` duration, `n` events out), retries `rt`, rescued `res`,
              tier `tier` at its end; prompt and answer text only with
@@ -30,6 +31,7 @@ kind in `k` and its wall-clock time in `t` (Unix seconds):
     tier     a tier transition: `from`, `to`, `why`, `detail`
     limit    an admission limit change: `from`, `to`
     force    an operator forced a tier (`tier`) or released it (`tier` null)
+    tick     the ladder's evaluation window ran (its instants: a replay keeps them)
     gap      records lost to a full queue or a write error since the last flush
 
 The reader never trusts a file: a line that is not a JSON object, or a

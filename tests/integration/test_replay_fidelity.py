@@ -222,3 +222,31 @@ async def test_a_primary_death_replays_as_it_happened(stack: Stack, tmp_path: Pa
     assert fid is not None
     assert fid["tier_agreement"] >= 0.95, fid
     assert fid["trustworthy"], fid["reasons"]
+
+
+async def test_an_overload_burst_replays_as_it_happened(stack: Stack, tmp_path: Path) -> None:
+    """Six clients, then twenty more for 8 s: the engine's queue (its
+    `waiting` gauge) and the proxy's queue drive the throttle tier."""
+    t0 = time.monotonic()
+    steady = asyncio.create_task(load(stack.url, 6, t0 + 24, tokens=30))
+    await asyncio.sleep(6)
+    await load(stack.url, 20, time.monotonic() + 8, tokens=30)
+    await steady
+    await asyncio.sleep(1.5)
+    trace = Trace.load(stack.rec_dir)
+    assert "throttle" in [to for _, _, to, _ in trace.tiers], trace.tiers
+    knobs = trace.recorded_policy
+    assert knobs is not None
+    out = run_replay(policy_from_knobs(knobs), trace_path=str(stack.rec_dir))
+    fid = out.report["fidelity"]
+    print("\n" + json.dumps({k: out.report[k] for k in ("fidelity", "model")}, indent=1))
+    for k in ("recorded", "baseline"):
+        print(
+            k,
+            out.report[k]["tier_seconds"],
+            out.report[k]["shed"],
+            [(x["t"], x["to"]) for x in out.report[k]["timeline"]],
+        )
+    assert fid is not None
+    assert fid["tier_agreement"] >= 0.95, fid
+    assert fid["trustworthy"], fid["reasons"]

@@ -37,7 +37,7 @@ def req(t: float, **over: Any) -> tuple[Any, ...]:
         session="session:abc",
         body={"max_tokens": 64, "messages": [{"role": "user", "content": "x" * 40}]},
         raw_len=80,
-        attempts=[("primary", "answered", 200, "", 0.12, t + 0.5)],
+        attempts=[("primary", "answered", 200, "", 0.12, t + 0.5, t + 0.1)],
         backend="primary",
         status=200,
         outcome="complete",
@@ -89,7 +89,7 @@ def test_every_kind_round_trips_with_wall_times(tmp_path: Path) -> None:
     by = {r["k"]: r for r in recs[2:]}
     r = by["req"]
     assert r["t"] == pytest.approx(OFFSET + 11.0)
-    assert r["att"] == [["primary", "answered", 200, None, 0.12, 0.5]]
+    assert r["att"] == [["primary", "answered", 200, None, 0.12, 0.5, 0.1]]
     assert (r["s"], r["o"], r["ttft"], r["d"], r["n"], r["mt"]) == (
         200,
         "complete",
