@@ -10,6 +10,10 @@ sessions. Faults, one drill each:
     3 kill the vLLM API server, restart after 30 s  7 a broken policy pushed by reload
     4 stop Redis for 20 s                           8 a hostile client (issue 20)
 
+The proxy records (`recorder:`), and each drill's window of the recording
+is replayed under the drill's policy (`brownout replay`): its fidelity is in
+the report, and a replay below the goal is a problem of the drill.
+
 For each: requests sent, complete answers, answers rescued mid-stream,
 explicit errors, truncated answers presented as success (must be 0), hung
 requests (must be 0), time to detect, time back to normal, tier timeline,
@@ -20,6 +24,7 @@ bench/results/chaos.md; exits 1 when a drill breaks one of its rules. The
 machinery lives in tests/chaos/ (the short version runs in `make test`).
 
     .venv/bin/python bench/chaos.py [--drills 1,4,7 | --only hostile] [--short] [--out FILE]
+        [--keep-recordings DIR]
 """
 
 from __future__ import annotations
@@ -98,6 +103,19 @@ def setup_text(vllm: VLLMServer, stack: Stack, load_before: str) -> str:
     )
 
 
+def keep_recordings(results: list[DrillResult], out: Path) -> None:
+    """Each drill's recording, gzipped, into `out` (replay it: `brownout replay --trace`)."""
+    import gzip
+
+    out.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        src = (r.replay or {}).get("file")
+        if src and Path(src).exists():
+            dst = out / f"{Path(src).stem}.jsonl.gz"
+            dst.write_bytes(gzip.compress(Path(src).read_bytes(), 9))
+            print(f"kept {dst}", flush=True)
+
+
 class DrillsAborted(Exception):
     def __init__(self, results: list[DrillResult]) -> None:
         super().__init__(f"aborted after {len(results)} drills")
@@ -137,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--short", action="store_true", help="the short durations of `make test`")
     ap.add_argument("--out", type=Path, default=RESULTS / "chaos.md")
+    ap.add_argument(
+        "--keep-recordings",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="copy each drill's flight recording (gzipped JSON lines) into DIR",
+    )
     args = ap.parse_args(argv)
     by_number = {s.number: k for k, s in DRILLS.items()}
     keys = [args.only] if args.only else [by_number[int(n)] for n in args.drills.split(",")]
@@ -158,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             results, aborted = exc.results, True
         policy = stack.policy_text()
         setup = setup_text(vllm, stack, load_before)
+        if args.keep_recordings is not None:
+            keep_recordings(results, args.keep_recordings)
     finally:
         stack.stop()
         vllm.stop()

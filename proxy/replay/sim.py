@@ -472,15 +472,17 @@ class Sim:
             return
         recorded_end = q.t + q.duration
         if nxt.t >= recorded_end:
-            self.at(self.now + (nxt.t - recorded_end), self.arrive, nxt)
+            # Never before its recorded time (a replay invents no load: a
+            # client whose answers come sooner is not taken to ask more).
+            self.at(max(nxt.t, self.now + (nxt.t - recorded_end)), self.arrive, nxt)
         # (an overlapping one was scheduled when `q` arrived)
 
     def _sessions(self) -> list[Request]:
         """Arrivals: requests without a session (and each session's first) at
         their recorded times; a session's later request at the recorded pause
-        after its previous one ended in this replay — or, if the two
-        overlapped in the recording, at the recorded offset from its arrival
-        (scheduled by `_overlap`)."""
+        after its previous one ended in this replay, but never before its
+        recorded time — or, if the two overlapped in the recording, at the
+        recorded offset from its arrival (scheduled by `_overlap`)."""
         by: dict[str, list[Request]] = {}
         free: list[Request] = []
         for q in self.trace.requests:

@@ -38,8 +38,9 @@ engine's capacity per extra request once `n` exceeds it (a queue: each
 request ahead waits for a slot), the capacity being vLLM's largest
 `num_requests_running` in the pressure samples (else the largest `n`
 seen). A request the recording answered on that backend keeps its own
-latency, scaled by curve(n_replay) / curve(n_recorded); any other gets
-curve(n) times the residual (observed / curve) of the nearest recorded
+latency, moved by curve(n_replay) − curve(n_recorded) (additive: a queue
+adds waiting time, and a ratio of small medians would explode); any other
+gets curve(n) plus the residual (observed − curve) of the nearest recorded
 answer in time, so slow stretches stay slow. vLLM's gauges for the
 throttle: `waiting` = max(0, n + others − capacity), `running` the rest,
 where `others` is what the engine held beyond the proxy's own requests in
@@ -73,6 +74,7 @@ from proxy.replay.trace import BACKENDS, Cond, EngineSample, Probe, Request, Tra
 SPORADIC_S = 2.0
 ERROR_BIN_S = 10.0
 CONNECT_FAIL_S = 0.002  # a refused connection answers at once
+MIN_TTFT_S = 0.001
 DEFAULTS = {"ttft_s": 0.5, "tpot_s": 0.05, "capacity": 4.0, "error_s": 0.01}
 
 # Evidence classes.
@@ -219,8 +221,9 @@ class BackendWorld:
         return self._n_v[i] if i >= 0 else 0
 
     def residual(self, t: float) -> tuple[float, float]:
+        """(TTFT, time per token) of the nearest recorded answer less the curves'."""
         if not self._res_t:
-            return 1.0, 1.0
+            return 0.0, 0.0
         i = bisect.bisect_left(self._res_t, t)
         j = min(
             range(max(0, i - 1), min(len(self._res_t), i + 1)),
@@ -263,12 +266,14 @@ class BackendWorld:
             whole = max(1e-4, rec.end - rec.start)
             first = rec.ttft if q.stream and rec.ttft is not None else whole
             first = min(first, whole)
-            ft = first * self.ttft(n) / self.ttft(n0)
-            decode = (whole - first) * self.tpot(n) / self.tpot(n0)
+            # Its own latency, moved by what the load changes (additive: a
+            # queue adds waiting time; a ratio of small medians would explode).
+            ft = max(MIN_TTFT_S, first + self.ttft(n) - self.ttft(n0))
+            decode = max(0.0, whole - first + q.tokens_out * (self.tpot(n) - self.tpot(n0)))
         else:
             rt, rp = self.residual(t)
-            ft = self.ttft(n) * rt * q.scale
-            decode = q.tokens_out * self.tpot(n) * rp * q.scale
+            ft = max(MIN_TTFT_S, self.ttft(n) + rt) * q.scale
+            decode = q.tokens_out * max(0.0, self.tpot(n) + rp) * q.scale
             if not q.stream:
                 ft += decode
                 decode = 0.0
@@ -612,8 +617,8 @@ def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
         bw.error_s = max(0.001, statistics.median(errors))
     for start, k, ft, tp in answers:
         bw._res_t.append(start)
-        bw._res_ttft.append(ft / max(1e-6, bw.ttft(k)))
-        bw._res_tpot.append(tp / max(1e-9, bw.tpot(k)) if tp > 0 else 1.0)
+        bw._res_ttft.append(ft - bw.ttft(k))
+        bw._res_tpot.append(tp - bw.tpot(k) if tp > 0 else 0.0)
     if bw.engine and len(bw.engine) > 3:
         xs = [e.running for e in bw.engine]
         ys = [e.kv for e in bw.engine]

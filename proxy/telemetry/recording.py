@@ -170,8 +170,8 @@ def window(
 ) -> Iterator[bytes]:
     """JSON lines of the records with `since <= t <= until`, in written order
     (oldest segment first), preceded by the last `policy` record written
-    before `since` (so a window can be replayed on its own). Blocking: run
-    it off the event loop."""
+    before `since`, stamped with the window's first time (so a window can be
+    replayed on its own). Blocking: run it off the event loop."""
     reader = reader or Reader()
     files = segments(directory)
     starts = [segment_start(f) or 0.0 for f in files]
@@ -196,7 +196,10 @@ def window(
             if not started:
                 started = True
                 if policy is not None and b'"k":"policy"' not in line:
-                    yield policy + b"\n"
+                    # In force from before the window: stamped with its start.
+                    rec = orjson.loads(policy)
+                    rec["t"] = t
+                    yield orjson.dumps(rec) + b"\n"
             yield line + b"\n"
 
 

@@ -436,6 +436,8 @@ class Stack:
         )
         self.redis = SessionRedis(workdir / "redis")
         self.policy_path = workdir / "policy.yaml"
+        # The proxy's flight recording (each drill's window is replayed: issue 22).
+        self.recording_dir = workdir / "recordings"
         self.proxy = ProxyProc(self.policy_path, workdir / "proxy.log")
         self.nginx = NginxProc(workdir / "nginx", self.proxy.port)
 
@@ -496,6 +498,9 @@ ladder:
   maintenance:
     notice: "{notice}"
     retry_after_s: 5
+recorder:
+  enabled: true
+  dir: {self.recording_dir}
 faq:
   entries:
     - question: How do I reset my password?

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tests.chaos.hostile import HostileSummary
 from tests.chaos.scenarios import DrillResult, Durations
 
-__all__ = ["hostile_section", "render", "summary_table"]
+__all__ = ["hostile_section", "render", "replay_section", "summary_table"]
 
 
 def _s(x: float | None) -> str:
@@ -31,11 +32,62 @@ def _tiers(r: DrillResult) -> str:
     return " → ".join(path)
 
 
+def _fidelity(r: DrillResult) -> str:
+    rep = r.replay
+    if rep is None:
+        return "—"
+    if "error" in rep:
+        return "error"
+    agree = rep.get("tier_agreement")
+    return "—" if agree is None else f"{agree:.1%}" + ("" if rep.get("trustworthy") else " (!)")
+
+
+def replay_section(r: DrillResult) -> str:
+    """The drill's recording replayed under its own policy (issue 22)."""
+    rep = r.replay
+    if rep is None:
+        return ""
+    if "error" in rep:
+        return f"**Replay**: {rep['error']}\n"
+    rec, out = rep["recorded"], rep["replayed"]
+    lines = [
+        f"**Replay of the drill's flight recording** under its own policy "
+        f"(`brownout replay --trace {Path(rep['file']).name}`, {rep['requests']} requests, "
+        f"{rep['cpu_s']:.2f} s of CPU): tier agreement **{rep['tier_agreement']:.1%}**, "
+        + (
+            "trustworthy."
+            if rep["trustworthy"]
+            else "**not trustworthy**: " + "; ".join(rep["reasons"]) + "."
+        ),
+        "",
+        "| | recorded | replayed |",
+        "|---|---:|---:|",
+    ]
+    for tier in ("normal", "throttle", "failover", "maintenance"):
+        lines.append(
+            f"| seconds in {tier} | {rec['tier_seconds'][tier]:.1f} "
+            f"| {out['tier_seconds'][tier]:.1f} |"
+        )
+    for key in (
+        "transitions",
+        "client_errors",
+        "maintenance_answers",
+        "failovers",
+        "rescues",
+        "ttft_p50_s",
+        "ttft_p95_s",
+    ):
+        lines.append(f"| {key.replace('_', ' ')} | {rec[key]} | {out[key]} |")
+    lines.append(f"| shed | {sum(rec['shed'].values())} | {sum(out['shed'].values())} |")
+    return "\n".join(lines) + "\n"
+
+
 def summary_table(results: Sequence[DrillResult]) -> str:
     head = (
         "| # | drill | sent | complete | rescued | maintenance | explicit errors "
-        "| truncated as success | hung | detect | back to normal | lost turns | tiers | verdict |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|\n"
+        "| truncated as success | hung | detect | back to normal | lost turns | tiers "
+        "| replay fidelity | verdict |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|\n"
     )
     rows = []
     for r in results:
@@ -44,7 +96,7 @@ def summary_table(results: Sequence[DrillResult]) -> str:
             f"| {r.number} | {r.title} | {c['sent']} | {c['complete']} | {c['rescued']} "
             f"| {c['maintenance']} | {c['error']} | {c['truncated']} | {c['hung']} "
             f"| {_detect(r)} | {_s(r.back_to_normal_s)} | {r.sessions['lost']} "
-            f"| {_tiers(r)} | {'pass' if r.ok else 'FAIL'} |"
+            f"| {_tiers(r)} | {_fidelity(r)} | {'pass' if r.ok else 'FAIL'} |"
         )
     return head + "\n".join(rows) + "\n"
 
@@ -164,6 +216,8 @@ def _drill_section(r: DrillResult) -> str:
                 f"t {q.started - r.t0:+.1f}…{q.ended - r.t0:+.1f} s"
                 + (", rescued" if q.rescued else "")
             )
+    if r.replay is not None:
+        out.append("\n" + replay_section(r))
     facts = {k: v for k, v in r.facts.items() if v is not None}
     if facts:
         out.append("\nFacts: " + "; ".join(f"{k} = {v}" for k, v in facts.items()) + ".")

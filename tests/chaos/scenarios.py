@@ -54,6 +54,7 @@ from tests.chaos.hostile import (
     metric_values,
     summarize,
 )
+from tests.chaos.replay import replay_drill, replay_problems
 from tests.harness.procs import is_alive
 
 __all__ = [
@@ -629,6 +630,8 @@ class DrillResult:
     problems: list[str] = field(default_factory=list)
     records: list[Req] = field(default_factory=list, repr=False)
     hostile: HostileSummary | None = None
+    # The drill's flight recording replayed under its own policy (tests/chaos/replay.py).
+    replay: dict[str, Any] | None = None
 
     @property
     def t0(self) -> float:
@@ -933,11 +936,17 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
                 "fallback": sorted({s.fallback for s in samples if s.fallback}),
             },
         )
+    try:
+        result.replay = await asyncio.to_thread(
+            replay_drill, stack.recording_dir, stack.workdir, spec.number, started, ended
+        )
+    except Exception as exc:  # a replay that breaks is a finding, not a crash
+        result.replay = {"error": f"{type(exc).__name__}: {exc}"}
     handlers, slots, queued = _busy(final)
     result.facts["idle_after_load"] = (
         f"handlers {handlers}, admission slots {slots}, queued {queued}"
     )
-    result.problems = _problems(result, spec)
+    result.problems = _problems(result, spec) + replay_problems(result.replay)
     if slots > handlers:
         result.problems.append(
             f"{slots - handlers} admission slot(s) leaked: taken with no request in flight "

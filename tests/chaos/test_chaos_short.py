@@ -70,6 +70,9 @@ async def test_engine_kill_mid_load(chaos_stack: Stack) -> None:
     result = await run_drill(chaos_stack, DRILLS["engine_kill"], SHORT)
     check(result, chaos_stack)
     assert result.backends.get("fallback", 0) > 0, "nothing was served by the fallback"
+    # Issue 22: its flight recording replays as it happened (`check` fails a
+    # drill whose replay is below the fidelity goal).
+    assert result.replay is not None and result.replay.get("trustworthy"), result.replay
 
 
 async def test_hostile_client_under_load(chaos_stack: Stack) -> None:
