@@ -69,6 +69,9 @@ bench: setup vllm-venv litellm-venv
 	$(PY) bench/overhead.py
 	$(PY) bench/guard_ab.py
 	$(PY) bench/guard_bench.py
+	$(PY) bench/replay_speed.py --hours 1 --out bench/results/replay.md
+	if command -v valgrind >/dev/null; then $(PY) bench/instr.py . --recorder \
+	  | tee bench/results/recorder-cost.md; else echo "valgrind missing: recorder cost not measured"; fi
 
 # Coverage-guided fuzzing of the request and SSE parsers and the guard.
 FUZZ_SECONDS ?= 120

@@ -1,7 +1,7 @@
 """Instructions per request of Brownout builds, under valgrind's callgrind.
 
     .venv/bin/python bench/instr.py TREE [TREE ...] [--requests 1000] [--conc 16]
-        [--kind short] [--extra-path DIR] [--bare]
+        [--kind short] [--extra-path DIR] [--bare] [--recorder]
 
 A count of executed instructions does not move with the other work on a
 shared machine, which the requests/s and CPU-time figures of `bench/ab.py`
@@ -9,7 +9,8 @@ do. Each TREE's `proxy.cli serve` (and, with `--bare`, the bare relay) runs
 under callgrind on `bench/run.py`'s upstream and policy; after a warm-up the
 counters are zeroed, `--requests` streaming chat requests are sent
 (`--conc` at a time), and the counters are dumped: instructions / request,
-the whole process (every thread) included.
+the whole process (every thread) included. `--recorder` measures each tree
+with the flight recorder off and on (its writer thread included).
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def main() -> int:
     ap.add_argument("--extra-path", default="")
     ap.add_argument("--bare", action="store_true", help="measure the bare relay too")
     ap.add_argument("--keep", type=Path, help="copy the callgrind dumps here (callgrind_annotate)")
+    ap.add_argument(
+        "--recorder",
+        action="store_true",
+        help="measure each tree twice: flight recorder off, then on (its cost, issue 22)",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="brownout-instr-"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -105,16 +111,25 @@ def main() -> int:
             results.append(("bare aiohttp", measure(p, port, out, args.requests, args.conc)))
             print(f"bare aiohttp: {results[-1][1]:,.0f} instructions / request", flush=True)
             stop([p])
-        for i, tree in enumerate(args.trees):
-            tree = tree.resolve()
+        runs = [
+            (tree.resolve(), rec)
+            for tree in args.trees
+            for rec in ((False, True) if args.recorder else (False,))
+        ]
+        for i, (tree, rec) in enumerate(runs):
             port = free_port()
             pol = brownout_policy(tmp, upstream, f"instr{i}", sessions=False)
+            label = str(tree)
+            if rec:
+                with pol.open("a") as f:
+                    f.write(f"recorder:\n  enabled: true\n  dir: {tmp / f'rec{i}'}\n")
+                label += " (recorder on)"
             out = tmp / f"cg-{i}"
             pp = os.pathsep.join(filter(None, [str(tree), args.extra_path]))
             p = callgrind(out, serve_cmd(pol, port), tree, {**os.environ, "PYTHONPATH": pp})
             procs.append(p)
-            results.append((str(tree), measure(p, port, out, args.requests, args.conc)))
-            print(f"{tree}: {results[-1][1]:,.0f} instructions / request", flush=True)
+            results.append((label, measure(p, port, out, args.requests, args.conc)))
+            print(f"{label}: {results[-1][1]:,.0f} instructions / request", flush=True)
             stop([p])
     finally:
         stop(procs)
@@ -126,6 +141,9 @@ def main() -> int:
     print(f"\n{args.kind} streams, {args.requests} requests, {args.conc} at a time")
     for name, ir in results:
         print(f"| {name} | {ir:,.0f} |")
+    if args.recorder:
+        for off, on in zip(results[0::2], results[1::2], strict=True):
+            print(f"recorder on / off: {on[1] / off[1]:.4f} ({(on[1] / off[1] - 1) * 100:+.2f} %)")
     return 0
 
 

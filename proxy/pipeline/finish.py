@@ -36,8 +36,10 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
     elapsed = now - rec.t0
     recorder = rt.recorder
     if recorder is not None:
-        # The flight recorder: one tuple on a deque; encoded off the loop.
+        # The flight recorder: one tuple of plain values on a deque (nothing
+        # that keeps the request's objects alive); encoded off the loop.
         s = rec.session
+        body = rec.body
         recorder.put(
             (
                 "req",
@@ -46,8 +48,8 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
                 rec.priority,
                 rec.stream,
                 s.key if s is not None else None,
-                rec.body,
                 len(rec.raw),
+                body.get("max_tokens") or body.get("max_completion_tokens"),
                 inbox.attempts if inbox is not None else None,
                 term.backend,
                 term.status,
@@ -59,7 +61,9 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
                 rec.rescued,
                 inbox.identity if inbox is not None else None,
                 rt.tier,
-                term.answer,
+                (body.get("messages", body.get("prompt")), term.answer)
+                if recorder.policy.content
+                else None,
             )
         )
     rt.count_request(term.backend, rec.endpoint, term.status)

@@ -113,14 +113,14 @@ def _lines(
     ident: str,
 ) -> str:
     """A line plot of several (label, color, points) on the shared time axis."""
-    h = 180
-    top, bottom = 10, h - 30
+    h = 190
+    top, bottom = 28, h - 30
     ymax = max((v for _, _, pts in series for _, v in pts), default=1.0) or 1.0
     ymax *= 1.1
     out = [
         f'<svg id="{ident}" class="plot" viewBox="0 0 {WIDTH} {h}" role="img" '
         f'aria-label="{_e(title)}">',
-        f'<text x="4" y="20">{_e(title)}</text>',
+        f'<text x="4" y="14">{_e(title)}</text>',
     ]
     for frac in (0.0, 0.5, 1.0):
         y = bottom - (bottom - top) * frac

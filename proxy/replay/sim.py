@@ -24,7 +24,6 @@ Operator actions (a forced tier, a release) are replayed at their times.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import itertools
 import math
@@ -671,7 +670,7 @@ class Sim:
                 f.sent_at = self.now
                 done = 0.5  # the continuation: about half an answer
                 rest = f.q.tokens_out
-                cont = dataclasses.replace(f.q, tokens_out=max(1, int(rest * done)))
+                cont = f.q._replace(tokens_out=max(1, int(rest * done)))
                 o2 = fb.world.call(
                     cont,
                     self.now,

@@ -10,10 +10,11 @@ for are kept out; nothing here decides anything.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -24,8 +25,9 @@ BACKENDS = ("primary", "fallback")
 STALL_FACTOR = 1.8  # a gap between two once-a-second samples this long is a stall
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
+class Attempt(NamedTuple):
+    """(NamedTuples: a day of traffic is millions of them, built in C.)"""
+
     backend: str
     kind: str  # answered | failed | ended | shed | refused | client_gone
     status: int
@@ -35,8 +37,7 @@ class Attempt:
     end: float
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     """One recorded request (times relative to the trace's start)."""
 
     t: float
@@ -162,9 +163,20 @@ class Trace:
 
     @classmethod
     def load(cls, path: Path) -> Trace:
-        reader = Reader()
-        recs = read_trace(path, reader)
-        tr = cls.from_records(recs, source=str(path))
+        # Millions of small tuples, none in a cycle: the collector would walk
+        # them again and again while they are made, and at every full
+        # collection of the replay after (`gc.freeze`: never again).
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            reader = Reader()
+            recs = read_trace(path, reader)
+            tr = cls.from_records(recs, source=str(path))
+            del recs
+        finally:
+            if enabled:
+                gc.enable()
+        gc.freeze()
         tr.skipped, tr.truncated = reader.skipped, reader.truncated
         return tr
 
@@ -251,44 +263,53 @@ def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
 
 
 def _request(t: float, r: dict[str, Any]) -> Request:
+    # Hot (a day of traffic is millions of these): positional, few lookups.
+    get = r.get
     atts = []
     prev_end = 0.0
-    for a in r.get("att") or ():
-        b, kind, status, fault, ttft, end = a[:6]
-        call = a[6] if len(a) > 6 else None
-        end = float(end) if end is not None else prev_end
+    answered: Attempt | None = None
+    for a in get("att") or ():
+        end = a[5]
+        end = prev_end if end is None else end
         # The backend call began after admission (an older recording: at the
         # end of the attempt before).
-        start = float(call) if call is not None else prev_end
-        atts.append(Attempt(b, kind, int(status), fault or "", ttft, t + start, t + end))
+        call = a[6] if len(a) > 6 else None
+        start = prev_end if call is None else call
+        att = Attempt(a[0], a[1], a[2], a[3] or "", a[4], t + start, t + end)
+        atts.append(att)
+        if a[1] == "answered":
+            answered = att
         prev_end = end
+    ttft = get("ttft")
     overhead = 0.0
-    ttft = r.get("ttft")
-    ans = next((a for a in reversed(atts) if a.kind == "answered"), None)
-    if ans is not None and ans.ttft is not None and isinstance(ttft, int | float):
-        overhead = max(0.0, min(5.0, float(ttft) - (ans.start - t) - ans.ttft))
-    n = r.get("n")
-    mt = r.get("mt")
-    tokens = int(n) if isinstance(n, int) and n > 0 else int(mt) if isinstance(mt, int) else 64
+    if answered is not None and answered.ttft is not None and ttft is not None:
+        overhead = max(0.0, min(5.0, ttft - (answered.start - t) - answered.ttft))
+    n = get("n")
+    if not (isinstance(n, int) and n > 0):
+        mt = get("mt")
+        n = mt if isinstance(mt, int) else 64
+    status = get("s", 0)
+    if not isinstance(status, int):
+        raise TypeError("status")
     return Request(
-        t=t,
-        priority=r.get("pri", "normal"),
-        stream=bool(r.get("st", True)),
-        endpoint=r.get("ep", "chat"),
-        client=r.get("cl") or "",
-        prompt_tokens=int(r.get("pt") or 1),
-        tokens_out=tokens,
-        attempts=tuple(atts),
-        backend=r.get("be", "none"),
-        status=int(r.get("s", 0)),
-        outcome=r.get("o", ""),
-        ttft=r.get("ttft"),
-        duration=float(r.get("d") or 0.0),
-        rescued=bool(r.get("res")),
-        retries=int(r.get("rt") or 0),
-        scale=float(r.get("scale") or 1.0),
-        session=r.get("sid") or "",
-        overhead=overhead,
+        t,
+        get("pri", "normal"),
+        get("st", True) is True,
+        get("ep", "chat"),
+        get("cl") or "",
+        get("pt") or 1,
+        n,
+        tuple(atts),
+        get("be", "none"),
+        status,
+        get("o", ""),
+        ttft,
+        float(get("d") or 0.0),
+        get("res") is True,
+        get("rt") or 0,
+        float(get("scale") or 1.0),
+        get("sid") or "",
+        overhead,
     )
 
 

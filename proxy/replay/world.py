@@ -131,10 +131,12 @@ class Curve:
         self.slope = max(local, floor_slope, 0.0)
 
     def __call__(self, n: int) -> float:
-        n = max(1, n)
-        if n <= len(self.values):
-            return self.values[n - 1]
-        return self.values[-1] + self.slope * (n - len(self.values))
+        values = self.values
+        if n <= 1:
+            return values[0]
+        if n <= len(values):
+            return values[n - 1]
+        return values[-1] + self.slope * (n - len(values))
 
 
 @dataclass
@@ -253,14 +255,12 @@ class BackendWorld:
     def latency(self, q: Request, t: float, n: int) -> tuple[float, float]:
         """(seconds to the first byte, seconds of the whole answer) of `q` on
         this backend at `t` with `n` in flight (counting `q`)."""
-        rec = next(
-            (
-                a
-                for a in q.attempts
-                if a.backend == self.name and a.kind == "answered" and a.status < 400
-            ),
-            None,
-        )
+        rec = None
+        name = self.name
+        for a in q.attempts:  # (a loop, not a generator: this runs per attempt)
+            if a.backend == name and a.kind == "answered" and a.status < 400:
+                rec = a
+                break
         if rec is not None:
             n0 = max(1, self.recorded_n(rec.start + 1e-6))
             whole = max(1e-4, rec.end - rec.start)
@@ -542,33 +542,48 @@ def infer_segments(
 
 
 def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
-    """The load model of one backend (see the module text)."""
-    spans: list[tuple[float, float]] = []
+    """The load model of one backend (see the module text). One pass over
+    the requests (a day of traffic is millions of them)."""
+    starts: list[float] = []
+    ends: list[float] = []
+    answered: list[tuple[float, float, float, bool, bool, int]] = []  # start, end, ttft, ...
+    errors: list[float] = []
     for q in trace.requests:
         for a in q.attempts:
-            if a.backend == name and a.kind not in ("shed",):
-                spans.append((a.start, a.end))
-    marks = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+            if a.backend != name:
+                continue
+            kind = a.kind
+            if kind != "shed":
+                starts.append(a.start)
+                ends.append(a.end)
+            if kind == "answered" and a.status < 400:
+                ttft = a.ttft if a.ttft is not None else -1.0
+                answered.append((a.start, a.end, ttft, q.stream, q.intrinsic, q.tokens_out))
+            elif kind == "failed" and a.fault not in ("first_byte_timeout", "connect_timeout"):
+                errors.append(a.end - a.start)
+    # Requests in flight at this backend: +1 at each start, -1 at each end.
+    marks = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
     n = 0
+    n_t, n_v = bw._n_t, bw._n_v
     for t, d in marks:
         n += d
-        bw._n_t.append(t)
-        bw._n_v.append(n)
+        n_t.append(t)
+        n_v.append(n)
     model = trace.models.get(name, {})
-    bw.engine = [e for e in trace.engine] if name == "primary" else []
+    bw.engine = list(trace.engine) if name == "primary" else []
     running = [e.running for e in bw.engine]
     answers: list[tuple[float, int, float, float]] = []  # start, n, ttft, tpot
-    for q in trace.requests:
-        if q.intrinsic:
+    wholes: list[float] = []
+    for start, end, ttft, stream, intrinsic, tokens_out in answered:
+        whole = max(1e-4, end - start)
+        wholes.append(end - start)
+        if intrinsic:
             continue
-        for a in q.attempts:
-            if a.backend != name or a.kind != "answered" or a.status >= 400:
-                continue
-            whole = max(1e-4, a.end - a.start)
-            first = a.ttft if q.stream and a.ttft is not None else whole
-            first = min(first, whole)
-            tpot = (whole - first) / max(1, q.tokens_out) if q.stream else 0.0
-            answers.append((a.start, max(1, bw.recorded_n(a.start + 1e-6)), first, tpot))
+        first = ttft if stream and ttft >= 0 else whole
+        first = min(first, whole)
+        tpot = (whole - first) / max(1, tokens_out) if stream else 0.0
+        k = n_v[bisect.bisect_right(n_t, start + 1e-6) - 1] if n_t else 1
+        answers.append((start, max(1, k), first, tpot))
     bw.observed = len(answers)
     seen_top = max((x[1] for x in answers), default=0)
     cap = model.get("capacity") or (max(running) if running and max(running) > 0 else 0.0)
@@ -586,12 +601,6 @@ def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
     )
     tp_all = [x[3] for x in answers if x[3] > 0]
     med_tpot = statistics.median(tp_all) if tp_all else model.get("tpot_s", DEFAULTS["tpot_s"])
-    wholes = [
-        a.end - a.start
-        for q in trace.requests
-        for a in q.attempts
-        if a.backend == name and a.kind == "answered" and a.status < 400
-    ]
     tokens = statistics.median([q.tokens_out for q in trace.requests]) if trace.requests else 64
     mean_service = statistics.median(wholes) if wholes else med_ttft + tokens * med_tpot
     queue_slope = mean_service / bw.capacity
@@ -605,20 +614,12 @@ def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
         bw.tpot = _model_curve(
             model.get("tpot_s", DEFAULTS["tpot_s"]), model.get("tpot_slope_s", 0.0), bw.capacity
         )
-    errors = [
-        a.end - a.start
-        for q in trace.requests
-        for a in q.attempts
-        if a.backend == name
-        and a.kind == "failed"
-        and a.fault not in ("first_byte_timeout", "connect_timeout")
-    ]
     if errors:
         bw.error_s = max(0.001, statistics.median(errors))
-    for start, k, ft, tp in answers:
-        bw._res_t.append(start)
-        bw._res_ttft.append(ft - bw.ttft(k))
-        bw._res_tpot.append(tp - bw.tpot(k) if tp > 0 else 0.0)
+    ttft_c, tpot_c = bw.ttft, bw.tpot
+    bw._res_t = [x[0] for x in answers]
+    bw._res_ttft = [ft - ttft_c(k) for _, k, ft, _ in answers]
+    bw._res_tpot = [tp - tpot_c(k) if tp > 0 else 0.0 for _, k, _, tp in answers]
     if bw.engine and len(bw.engine) > 3:
         xs = [e.running for e in bw.engine]
         ys = [e.kv for e in bw.engine]

@@ -50,6 +50,10 @@ MIN_SEGMENT_BYTES = 256 << 10
 RETRY_S = 10.0  # after a write error, writing is tried again after this long
 PRUNE_S = 60.0  # retention is applied at least this often
 MIB = 1 << 20
+HASHES_KEPT = 100_000
+# zlib level 3: a quarter of level 6's CPU for about a fifth more bytes (the
+# writer's CPU is the recorder's cost to serving; the disk is bounded anyway).
+LEVEL = 3
 
 
 class Recorder:
@@ -74,6 +78,7 @@ class Recorder:
         self._open = opener or (lambda p: p.open("ab"))
         self._q: collections.deque[tuple[Any, ...]] = collections.deque()
         self._key = os.urandom(16)
+        self._hashes: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="brownout-recorder", daemon=True)
         # Counters (written by one thread each, read anywhere).
@@ -157,9 +162,16 @@ class Recorder:
         }
 
     def hash(self, value: str) -> str:
-        return hashlib.blake2b(
-            value.encode("utf-8", "surrogateescape"), key=self._key, digest_size=8
-        ).hexdigest()
+        """The keyed hash of a session id or client identity (they repeat:
+        remembered, up to HASHES_KEPT of them)."""
+        h = self._hashes.get(value)
+        if h is None:
+            if len(self._hashes) >= HASHES_KEPT:
+                self._hashes.clear()
+            h = self._hashes[value] = hashlib.blake2b(
+                value.encode("utf-8", "surrogateescape"), key=self._key, digest_size=8
+            ).hexdigest()
+        return h
 
     # -- the writer thread -------------------------------------------------------------
 
@@ -191,7 +203,9 @@ class Recorder:
             except Exception:  # a record the encoder cannot take: lost, counted
                 self.lost += 1
                 continue
-            rec["t"] = round(item[1] + self.wall_offset, 6)  # µs: the order of near events
+            # Full precision (no rounding: it costs more than the bytes): the
+            # order of near events (a scrape and a window) is the replay's.
+            rec["t"] = item[1] + self.wall_offset
             if item[0] == "policy":
                 self._policy_line = orjson.dumps(rec)
                 lines.append(self._policy_line)
@@ -211,7 +225,7 @@ class Recorder:
             return 0
         try:
             head = self._rotate(now)
-            data = gzip_member(b"\n".join([*head, *lines]) + b"\n")
+            data = gzip_member(b"\n".join([*head, *lines]) + b"\n", LEVEL)
             f = self._file
             assert f is not None
             f.write(data)
@@ -325,8 +339,8 @@ class Recorder:
         pri: str,
         stream: bool,
         session: str | None,
-        body: dict[str, Any],
         raw_len: int,
+        mt: object,
         attempts: list[tuple[Any, ...]] | None,
         backend: str,
         status: int,
@@ -338,9 +352,8 @@ class Recorder:
         rescued: bool,
         who: str | None,
         tier: str,
-        answer: str | None,
+        content: tuple[Any, str | None] | None,
     ) -> dict[str, Any]:
-        mt = body.get("max_tokens") or body.get("max_completion_tokens")
         rec: dict[str, Any] = {
             "k": "req",
             "ep": ep,
@@ -348,7 +361,7 @@ class Recorder:
             "st": stream,
             "sid": self.hash(session) if session else None,
             "cl": self.hash(who) if who else None,
-            "pt": _prompt_tokens(body, raw_len),
+            "pt": max(1, raw_len // 4),
             "mt": mt if isinstance(mt, int) else None,
             "att": [
                 [
@@ -356,25 +369,24 @@ class Recorder:
                     kind,
                     st,
                     fault or None,
-                    _r(tt),
-                    _r(end - _t),
-                    None if start is None else _r(start - _t),
+                    tt,
+                    end - _t,
+                    None if start is None else start - _t,
                 ]
                 for b, kind, st, fault, tt, end, start in attempts or ()
             ],
             "be": backend,
             "s": status,
             "o": outcome,
-            "ttft": _r(ttft),
-            "d": _r(elapsed),
+            "ttft": ttft,
+            "d": elapsed,
             "n": events,
             "rt": retries,
             "res": rescued,
             "tier": tier,
         }
-        if self.policy.content:
-            rec["prompt"] = body.get("messages", body.get("prompt"))
-            rec["answer"] = answer
+        if content is not None:
+            rec["prompt"], rec["answer"] = content
         return rec
 
     def _policy(self, _t: float, policy: Any, reason: str) -> dict[str, Any]:
@@ -384,25 +396,6 @@ class Recorder:
 
 def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
-
-
-def _prompt_tokens(body: dict[str, Any], raw_len: int) -> int:
-    """Prompt tokens, estimated (4 bytes a token): the messages' text as
-    sent to the backend (history included), else the raw body's size."""
-    msgs = body.get("messages")
-    if isinstance(msgs, list):
-        n = 0
-        for m in msgs:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                n += len(c)
-            elif isinstance(c, list):
-                n += sum(len(p.get("text", "")) for p in c if isinstance(p, dict))
-        return max(1, n // 4)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return max(1, len(prompt) // 4)
-    return max(1, raw_len // 4)
 
 
 def _probe(

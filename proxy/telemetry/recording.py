@@ -14,7 +14,8 @@ kind in `k` and its wall-clock time in `t` (Unix seconds):
     reload   a reload: `ok`, `hash`, `changes`
     req      one request, at its arrival time: endpoint `ep`, priority `pri`,
              stream `st`, hashed session `sid` and client `cl`, prompt tokens
-             `pt` (estimated: bytes / 4), `mt` max_tokens, the attempts `att`
+             `pt` (estimated: the client's body bytes / 4; a session's history
+             is not in it), `mt` max_tokens, the attempts `att`
              ([backend, kind, status, fault, ttft, end offset s, offset s of the
              backend call, after admission: null if it never called] each), what the
              client got (`be` backend, `s` status, `o` outcome, `ttft` client

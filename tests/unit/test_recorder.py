@@ -35,8 +35,8 @@ def req(t: float, **over: Any) -> tuple[Any, ...]:
         pri="normal",
         st=True,
         session="session:abc",
-        body={"max_tokens": 64, "messages": [{"role": "user", "content": "x" * 40}]},
-        raw_len=80,
+        raw_len=40,
+        mt=64,
         attempts=[("primary", "answered", 200, "", 0.12, t + 0.5, t + 0.1)],
         backend="primary",
         status=200,
@@ -48,7 +48,7 @@ def req(t: float, **over: Any) -> tuple[Any, ...]:
         rescued=False,
         who="ip:10.0.0.1",
         tier="normal",
-        answer="hi",
+        content=None,
     )
     base.update(over)
     return ("req", t, *base.values())
@@ -89,7 +89,9 @@ def test_every_kind_round_trips_with_wall_times(tmp_path: Path) -> None:
     by = {r["k"]: r for r in recs[2:]}
     r = by["req"]
     assert r["t"] == pytest.approx(OFFSET + 11.0)
-    assert r["att"] == [["primary", "answered", 200, None, 0.12, 0.5, 0.1]]
+    assert r["att"] == [
+        ["primary", "answered", 200, None, 0.12, pytest.approx(0.5), pytest.approx(0.1)]
+    ]
     assert (r["s"], r["o"], r["ttft"], r["d"], r["n"], r["mt"]) == (
         200,
         "complete",
@@ -98,7 +100,7 @@ def test_every_kind_round_trips_with_wall_times(tmp_path: Path) -> None:
         12,
         64,
     )
-    assert r["pt"] == 10  # 40 characters ≈ 10 tokens
+    assert r["pt"] == 10  # 40 bytes ≈ 10 tokens
     # Hashed ids, no text by default.
     assert r["sid"] and "abc" not in r["sid"] and r["cl"] and "10.0.0" not in r["cl"]
     assert "prompt" not in r and "answer" not in r
@@ -124,7 +126,7 @@ def test_every_kind_round_trips_with_wall_times(tmp_path: Path) -> None:
 
 def test_content_only_when_asked(tmp_path: Path) -> None:
     rec = make(tmp_path, content=True)
-    rec.put(req(1.0))
+    rec.put(req(1.0, content=([{"role": "user", "content": "x" * 40}], "hi")))
     rec.flush_once()
     (r,) = [r for r in read_trace(tmp_path / "rec") if r["k"] == "req"]
     assert r["prompt"] == [{"role": "user", "content": "x" * 40}] and r["answer"] == "hi"
@@ -170,7 +172,7 @@ def test_segments_rotate_and_the_oldest_go_beyond_max_mb(tmp_path: Path) -> None
     )
     noise = base64.b64encode(os.urandom(45_000)).decode()  # barely compressible
     for i in range(40):
-        rec.put(req(float(i), answer=noise, outcome=f"o{i}"))
+        rec.put(req(float(i), content=(None, noise), outcome=f"o{i}"))
         rec.policy = RecorderPolicy(enabled=True, dir=rec.policy.dir, max_mb=1.0, content=True)
         rec.flush_once()
     files = segments(tmp_path / "rec")

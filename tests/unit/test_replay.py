@@ -279,3 +279,18 @@ def test_the_cli_knows_the_replays_names() -> None:
 
     assert cli.REPLAY_SCENARIOS == names.SCENARIOS
     assert cli.REPLAY_FAIL_ON == names.FAIL_ON
+
+
+def test_a_long_trace_replays_its_candidate_in_a_forked_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past PARALLEL_MIN requests the two replays run side by side; the
+    figures are the same as one after the other."""
+    from proxy.replay import main as replay_main
+
+    cand = parse_policy(NO_RESCUE, env={})
+    one_by_one = run_replay(cand, scenario="engine-death").report
+    monkeypatch.setattr(replay_main, "PARALLEL_MIN", 10)
+    side_by_side = run_replay(cand, scenario="engine-death").report
+    for key in ("baseline", "candidate"):
+        assert side_by_side[key] == one_by_one[key]
