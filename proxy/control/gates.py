@@ -9,6 +9,10 @@ latency, its TTFT (streams only), whether it failed by the backend's own
 fault, whether it was an out-of-memory error. Each arm keeps deques of
 (at, value) over the sliding `window_s`, pruned on every `observe()` (each
 sample is appended once and popped once: O(1) amortized) and on `evaluate()`.
+The latency and TTFT values are also kept sorted as they come and go
+(`bisect.insort`, a bisected delete: O(log n) compares and one memmove), so
+`evaluate()` sorts nothing: with 2,000 samples per arm it takes 14 µs
+instead of 660 µs, `observe()` 3.4 µs instead of 1.8 (`bench/gates_bench.py`).
 Memory is capped at `CAP` = 10,000 samples per arm and series (requests,
 latencies, TTFTs); past it the oldest go first, so at more than ~33 requests/s
 per arm over the default 300 s window the gates judge the last 10,000.
@@ -101,6 +105,7 @@ error_rate, quality, p99_ratio, ttft_ratio (the gates tuple has that order);
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 from dataclasses import dataclass, field
@@ -118,6 +123,8 @@ CAP = 10_000  # samples per arm and series
 ARM_TAIL = 0.0125  # per tail and arm: 97.5 % per arm, ≥ 95 % for the ratio (Bonferroni)
 SLACK = 1e-9  # float slack on the quality comparison
 _NEGLIGIBLE = 1e-17
+# A prune of more than 1/_REBUILD of a series re-sorts the rest (see _Series).
+_REBUILD = 8
 
 
 # -- the statistics (pure functions) ----------------------------------------------
@@ -267,26 +274,50 @@ class GateReport:
 
 
 class _Series:
-    """(at, value) samples over the window, capped."""
+    """(at, value) samples over the window, capped, in time order (`q`); the
+    same values kept in ascending order alongside (`ordered`: `insort` on
+    each add, a bisected delete on each pop), so that `evaluate()` reads the
+    order statistics without sorting. A prune that drops many at once
+    re-sorts what is left instead (cheaper than that many deletes)."""
 
-    __slots__ = ("cap", "q")
+    __slots__ = ("cap", "ordered", "q")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.q: collections.deque[tuple[float, float]] = collections.deque()
+        self.ordered: list[float] = []
 
     def add(self, at: float, v: float) -> None:
         if len(self.q) >= self.cap:
-            self.q.popleft()
+            self._pop()
         self.q.append((at, v))
+        bisect.insort(self.ordered, v)
+
+    def _pop(self) -> None:
+        _, v = self.q.popleft()
+        o = self.ordered
+        del o[bisect.bisect_left(o, v)]  # an equal value: the same multiset
 
     def prune(self, horizon: float) -> None:
         q = self.q
-        while q and q[0][0] < horizon:
-            q.popleft()
+        if not q or q[0][0] >= horizon:
+            return
+        # Time order: the `k` oldest leave.
+        n = len(q)
+        k = 1
+        while k < n and q[k][0] < horizon:
+            k += 1
+        if k * _REBUILD > n:
+            for _ in range(k):
+                q.popleft()
+            self.ordered = sorted(v for _, v in q)
+        else:
+            for _ in range(k):
+                self._pop()
 
     def sorted(self) -> list[float]:
-        return sorted(v for _, v in self.q)
+        """The values in ascending order (the kept list itself: read only)."""
+        return self.ordered
 
 
 class _ArmState:
@@ -330,7 +361,8 @@ def _sample(x: float | None) -> float | None:
         v = float(x)
     except (TypeError, ValueError):
         return math.nan
-    return v if math.isfinite(v) and v >= 0.0 else math.nan
+    # + 0.0: a -0.0 is 0.0 (equal values are interchangeable in `_Series.ordered`).
+    return v + 0.0 if math.isfinite(v) and v >= 0.0 else math.nan
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
