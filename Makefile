@@ -90,4 +90,4 @@ chaos: setup vllm-venv
 	$(PY) bench/chaos.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache $(CRD_CHECK)/node_modules
