@@ -152,7 +152,7 @@ async def test_a_stream_past_the_grace_is_cut_and_the_process_exits(
         if proc.poll() is None:
             proc.kill()
     # The grace (1 s) and the cleanup's moment (at most 1 s more).
-    assert 0.9 <= took < 4, took
+    assert 0.9 <= took < 6, took
     cut = [r for r in records if r.get("event") == "drain_cut_short"]
     assert cut and cut[0]["inflight"] == 1
 
@@ -168,5 +168,5 @@ async def test_an_idle_process_exits_at_once(fake_upstream: FakeUpstream, tmp_pa
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert time.monotonic() - t0 < 3, "an idle drain must not wait out the grace"
+    assert time.monotonic() - t0 < 6, "an idle drain must not wait out the grace (30 s)"
     assert any(r.get("event") == "drained" for r in records)
