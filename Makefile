@@ -11,7 +11,7 @@ RUN_STAMP := $(VENV)/.installed-run-$(PYPROJECT_HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(PYPROJECT_HASH)
 PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q
 
-.PHONY: setup setup-run run test lint typecheck unit vllm-venv bench chaos fuzz litellm-venv clean
+.PHONY: setup setup-run run test lint typecheck unit vllm-venv crd-check bench chaos fuzz litellm-venv clean
 
 setup: $(TEST_STAMP)
 setup-run: $(RUN_STAMP)
@@ -41,14 +41,23 @@ run: setup-run
 vllm-venv:
 	scripts/ensure-vllm-venv.sh
 
+# The Prometheus Operator API check of deploy/k8s's monitoring objects
+# (tests/deploy/crd, Node.js): its npm packages, as locked.
+CRD_CHECK := tests/deploy/crd
+$(CRD_CHECK)/node_modules/.installed: $(CRD_CHECK)/package.json $(CRD_CHECK)/package-lock.json
+	cd $(CRD_CHECK) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+crd-check: $(CRD_CHECK)/node_modules/.installed
+
 lint:
-	$(VENV)/bin/ruff check proxy tests bench fuzz
-	$(VENV)/bin/ruff format --check proxy tests bench fuzz
+	$(VENV)/bin/ruff check proxy tests bench fuzz scripts
+	$(VENV)/bin/ruff format --check proxy tests bench fuzz scripts
 
 typecheck:
 	$(VENV)/bin/mypy
 
-test: setup vllm-venv lint typecheck
+test: setup vllm-venv crd-check lint typecheck
 	$(VENV)/bin/pytest -q
 
 unit: setup
@@ -81,4 +90,4 @@ chaos: setup vllm-venv
 	$(PY) bench/chaos.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache $(CRD_CHECK)/node_modules

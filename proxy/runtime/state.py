@@ -42,6 +42,7 @@ from proxy.policy import Policy, PolicyError, load_policy, policy_diff, split_re
 from proxy.policy.diff import RESTART_MARK
 from proxy.runtime.canary import read_state
 from proxy.runtime.generation import Runtime
+from proxy.runtime.shutdown import Draining
 from proxy.runtime.supervise import Body, Supervisor
 from proxy.sessions.counters import HFTokenCounter
 from proxy.sessions.store import SessionStore, make_store, store_identity
@@ -92,6 +93,8 @@ class ProxyState:
         self._queued = False  # a coalesced reload waits for the lock
         self._drains: set[asyncio.Task[None]] = set()
         self._loops: LoopSpec | None = None
+        # SIGTERM's drain (proxy.runtime.shutdown): /readyz and the ingress read it.
+        self.shutdown = Draining()
         metrics.inflight.set_function(lambda: sum(r.inflight for r in self.live))
         metrics.tier.set_function(lambda: TIER_VALUES[self.current.tier])
 

@@ -312,7 +312,6 @@ class ProxyProc:
 # Strings of nginx/brownout.conf the drills rewrite (production → test values).
 UPSTREAM_LINE = "server 127.0.0.1:8080;"
 LISTEN_LINE = "listen 80;"
-PAGE_LINE = "alias /usr/share/nginx/brownout/maintenance.html;"
 EXEMPT_BLOCK = "geo $brownout_limit_exempt {\n    default 0;\n"
 
 
@@ -345,9 +344,6 @@ class NginxProc:
         site = site.replace(UPSTREAM_LINE, f"server 127.0.0.1:{self.upstream_port};")
         site = site.replace(LISTEN_LINE, f"listen 127.0.0.1:{self.port};")
         site = site.replace(EXEMPT_BLOCK, EXEMPT_BLOCK + "    127.0.0.1 1;\n")
-        page = ROOT / "nginx" / "maintenance.html"
-        if PAGE_LINE in site and page.exists():
-            site = site.replace(PAGE_LINE, f"alias {page};")
         (self.prefix / "site.conf").write_text(site)
         conf = self.prefix / "nginx.conf"
         p = self.prefix
