@@ -9,40 +9,45 @@ spans under the attempt that called it. A rescue is an attempt span of its
 own (`brownout.rescue`).
 
 Attributes: the GenAI semantic conventions (`gen_ai.operation.name`,
-`gen_ai.request.model`, `gen_ai.request.max_tokens`, `gen_ai.system` /
-`gen_ai.provider.name`, `gen_ai.usage.input_tokens` / `output_tokens` and
-`gen_ai.response.*` when the answer says), HTTP's (`http.response.status_code`,
-`server.address`), and Brownout's own (`brownout.tier`, `brownout.backend`,
-`brownout.outcome`, `brownout.fault`, `brownout.retry`, `brownout.admission.wait_s`,
-...).
+`gen_ai.request.model`, `gen_ai.request.max_tokens`, `gen_ai.system`,
+`gen_ai.usage.input_tokens` / `output_tokens` and `gen_ai.response.*` when the
+answer says), HTTP's (`http.response.status_code`, `server.address`), and
+Brownout's own (`brownout.tier`, `brownout.backend`, `brownout.outcome`,
+`brownout.fault`, `brownout.retry`, `brownout.admission.wait_s`, ...).
 
 Nothing here runs unless the policy names a collector: this module (and the
 SDK) is imported only then, and the request path's only cost otherwise is a
-`None` check. Spans end on the event loop into a bounded queue; a
-`BatchSpanProcessor` thread encodes and posts them, so a slow or unreachable
-collector never blocks serving — a full queue drops spans, counted in
-`brownout_trace_spans_total{result="dropped"}`.
+`None` check. When it runs, the event loop does as little as it can: the
+W3C header is parsed and written here, the sampling decision is
+`TraceIdRatioBased`'s (the trace id's low 64 bits against the ratio), and a
+span is a plain record (ids, times, an attribute dict) appended to a bounded
+queue when it ends. The SDK's `Tracer` would cost the loop several times
+more per span (measured: `bench/otel_ab.py`): its spans lock and validate
+every attribute as it is set. The export thread turns the records into the
+SDK's `ReadableSpan`s and hands them to its OTLP/HTTP exporter, so a slow or
+unreachable collector never blocks serving — a full queue drops spans,
+counted in `brownout_trace_spans_total{result="dropped"}`.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import random
+import re
 import threading
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
-from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 from prometheus_client import Counter
 
 from proxy import __version__
@@ -63,7 +68,41 @@ _REQUEST_PARAMS = (
     ("top_p", "gen_ai.request.top_p"),
     ("seed", "gen_ai.request.seed"),
 )
-_PROPAGATOR = TraceContextTextMapPropagator()
+# W3C trace context: version-traceid-parentid-flags (a later version may add fields).
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+_MASK64 = (1 << 64) - 1
+T = TypeVar("T")
+
+
+def parse_traceparent(header: str) -> tuple[int, int, int] | None:
+    """(trace id, parent span id, flags) of a valid W3C `traceparent`, else None."""
+    m = _TRACEPARENT.fullmatch(header.strip())
+    if m is None:
+        return None
+    version, trace, parent, flags, rest = m.groups()
+    if version == "ff" or (version == "00" and rest):
+        return None
+    trace_id, parent_id = int(trace, 16), int(parent, 16)
+    if not trace_id or not parent_id:
+        return None
+    return trace_id, parent_id, int(flags, 16)
+
+
+class SpanRecord(NamedTuple):
+    """An ended span as the loop leaves it (the export thread builds the SDK's span)."""
+
+    name: str
+    kind: SpanKind
+    trace_id: int
+    span_id: int
+    parent_id: int  # 0: a root span
+    remote_parent: bool
+    flags: int
+    state: str  # the client's tracestate
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error: str | None  # the status description of an ERROR span, None: UNSET
 
 
 def traces_url(endpoint: str) -> str:
@@ -98,18 +137,26 @@ class _CountingExporter(SpanExporter):
         return self._inner.force_flush(timeout_millis)
 
 
-class BatchExport(SpanProcessor):
+class BatchExport(Generic[T]):
     """Ended spans into a bounded queue; a daemon thread exports them in
-    batches (every `batch_delay_s`, or as soon as a batch is full).
+    batches (every `batch_delay_s`, or as soon as a batch is full), each
+    turned into the SDK's span by `convert` there, off the loop.
 
-    The SDK's `BatchSpanProcessor` does the same, but logs a warning for every
-    span it drops — a log record per span, on the event loop, exactly while
-    the collector is unreachable. Here a drop is one counter increment; the
-    thread says what was lost, once per export."""
+    The SDK's `BatchSpanProcessor` does the same for its own spans, but logs
+    a warning for every span it drops — a log record per span, on the event
+    loop, exactly while the collector is unreachable. Here a drop is one
+    counter increment; the thread says what was lost, once per export."""
 
-    def __init__(self, exporter: SpanExporter, pol: TelemetryPolicy, dropped: Counter) -> None:
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        pol: TelemetryPolicy,
+        dropped: Counter,
+        convert: Callable[[T], ReadableSpan],
+    ) -> None:
         self._exporter = exporter
-        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        self._convert = convert
+        self._queue: collections.deque[T] = collections.deque()
         self._max = pol.max_queue_spans
         self._batch = pol.max_batch_spans
         self._delay = pol.batch_delay_s
@@ -121,10 +168,7 @@ class BatchExport(SpanProcessor):
         self._thread = threading.Thread(target=self._run, name="brownout-traces", daemon=True)
         self._thread.start()
 
-    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
-        pass
-
-    def on_end(self, span: ReadableSpan) -> None:
+    def on_end(self, span: T) -> None:
         """On the event loop: an append (or a count), never a wait."""
         q = self._queue
         if len(q) >= self._max or self._closing:
@@ -144,8 +188,9 @@ class BatchExport(SpanProcessor):
 
     def _export(self) -> None:
         q = self._queue
+        convert = self._convert
         while q and time.monotonic() < self._deadline:
-            batch = [q.popleft() for _ in range(min(len(q), self._batch))]
+            batch = [convert(q.popleft()) for _ in range(min(len(q), self._batch))]
             try:
                 self._exporter.export(batch)
             except Exception:
@@ -166,14 +211,10 @@ class BatchExport(SpanProcessor):
         self._thread.join(timeout_s)
         self._exporter.shutdown()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        self._wake.set()
-        return True
-
 
 class Tracing:
-    """The tracer of one `telemetry:` policy: its own provider (never the
-    process's global one), a batch processor with its thread, the exporter."""
+    """The tracer of one `telemetry:` policy: the sampling ratio, the
+    resource, the export queue and its thread, the OTLP exporter."""
 
     def __init__(self, pol: TelemetryPolicy, spans: Counter) -> None:
         self.policy = pol
@@ -183,37 +224,42 @@ class Tracing:
             headers=headers or None,
             timeout=pol.export_timeout_s,
         )
+        self._resource = Resource.create(
+            {"service.name": pol.service_name, "service.version": __version__}
+        )
+        self._scope = InstrumentationScope("brownout", __version__)
+        # TraceIdRatioBased's rule: sampled when the low 64 bits are below this.
+        self._bound = round(pol.sample_ratio * (_MASK64 + 1))
+        self._bits = random.getrandbits
         self._processor = BatchExport(
-            _CountingExporter(exporter, spans), pol, spans.labels("dropped")
+            _CountingExporter(exporter, spans),
+            pol,
+            spans.labels("dropped"),
+            convert=self._readable,
         )
-        self._provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(pol.sample_ratio)),
-            resource=Resource.create(
-                {"service.name": pol.service_name, "service.version": __version__}
-            ),
-            shutdown_on_exit=False,  # `shutdown`, bounded, from the app's cleanup
-        )
-        self._provider.add_span_processor(self._processor)
-        self.tracer = self._provider.get_tracer("brownout", __version__)
+        self.emit = self._processor.on_end
 
     def start(self, rec: RequestRecord) -> RequestTrace:
         """The request's span, from its arrival (`rec.t0`) on."""
         req = rec.request
-        headers = req.headers
-        parent = _PROPAGATOR.extract(headers) if "traceparent" in headers else None
-        op = _OPERATION.get(rec.endpoint)
-        span = self.tracer.start_span(
-            f"{req.method} {_PATH.get(rec.endpoint, req.path)}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            start_time=time.time_ns() - int((rec.loop.time() - rec.t0) * 1e9),
-        )
-        if not span.is_recording():
-            # Not sampled: no attributes, no attempt spans; the backend still
-            # gets a traceparent (this span's id, the trace's sampled flag).
-            return RequestTrace(self, span, op, recording=False)
-        body = rec.body
-        attrs: dict[str, Any] = {
+        header = req.headers.get("traceparent")
+        parent = parse_traceparent(header) if header else None
+        bits = self._bits
+        if parent is not None:
+            trace_id, parent_id, flags = parent
+            flags &= 1  # sampled or not: the client's decision
+            state = req.headers.get("tracestate", "")
+        else:
+            trace_id = bits(128) or 1
+            parent_id, state = 0, ""
+            flags = 1 if (trace_id & _MASK64) < self._bound else 0
+        trace = RequestTrace(self, trace_id, bits(64) or 1, parent_id, flags, state)
+        if not flags:
+            return trace  # not sampled: only the backend's traceparent
+        trace.start_ns = time.time_ns() - int((rec.loop.time() - rec.t0) * 1e9)
+        op = trace.op = _OPERATION.get(rec.endpoint)
+        trace.name = f"{req.method} {_PATH.get(rec.endpoint, req.path)}"
+        attrs = trace.attrs = {
             "http.request.method": req.method,
             "url.path": req.path,
             "brownout.request_id": rec.rid,
@@ -221,6 +267,7 @@ class Tracing:
             "brownout.stream": rec.stream,
         }
         if op is not None:
+            body = rec.body
             attrs["gen_ai.operation.name"] = op
             model = body.get("model")
             if isinstance(model, str):
@@ -231,27 +278,91 @@ class Tracing:
                     attrs[attr] = v
         if rec.session is not None:
             attrs["brownout.session"] = True
-        span.set_attributes(attrs)
-        return RequestTrace(self, span, op, recording=True)
+        return trace
+
+    def _readable(self, r: SpanRecord) -> ReadableSpan:
+        """A record as the SDK's span (on the export thread)."""
+        state = TraceState.from_header([r.state]) if r.state else None
+        flags = TraceFlags(r.flags)
+        parent = (
+            SpanContext(r.trace_id, r.parent_id, r.remote_parent, flags, state)
+            if r.parent_id
+            else None
+        )
+        return ReadableSpan(
+            r.name,
+            context=SpanContext(r.trace_id, r.span_id, False, flags, state),
+            parent=parent,
+            resource=self._resource,
+            attributes=r.attributes,
+            kind=r.kind,
+            status=Status(StatusCode.ERROR, r.error) if r.error is not None else _UNSET,
+            start_time=r.start_ns,
+            end_time=r.end_ns,
+            instrumentation_scope=self._scope,
+        )
 
     def shutdown(self, timeout_s: float) -> None:
         """Export what is queued, within `timeout_s` (blocking: run it off the loop)."""
         self._processor.shutdown(timeout_s)
 
 
+_UNSET = Status(StatusCode.UNSET)
+
+
+class _Attempt:
+    """The attempt span in progress."""
+
+    __slots__ = ("attrs", "name", "span_id", "start_ns")
+
+    def __init__(self, name: str, span_id: int, attrs: dict[str, Any]) -> None:
+        self.name = name
+        self.span_id = span_id
+        self.attrs = attrs
+        self.start_ns = time.time_ns()
+
+
 class RequestTrace:
     """One request's spans: the request span and the attempt in progress.
-    For a request that is not sampled, only the (non-recording) request span."""
+    A request that is not sampled records nothing; its backend still gets a
+    `traceparent` (this request span's id, in the same trace)."""
 
-    __slots__ = ("_ctx", "_op", "_tracing", "attempt", "attempts", "recording", "span", "usage")
+    __slots__ = (
+        "_tracing",
+        "attempt",
+        "attempts",
+        "attrs",
+        "flags",
+        "name",
+        "op",
+        "parent_id",
+        "span_id",
+        "start_ns",
+        "state",
+        "trace_id",
+        "usage",
+    )
 
-    def __init__(self, tracing: Tracing, span: Span, op: str | None, *, recording: bool) -> None:
+    def __init__(
+        self,
+        tracing: Tracing,
+        trace_id: int,
+        span_id: int,
+        parent_id: int,
+        flags: int,
+        state: str,
+    ) -> None:
         self._tracing = tracing
-        self.span = span
-        self.recording = recording
-        self._ctx: Context | None = set_span_in_context(span) if recording else None
-        self._op = op
-        self.attempt: Span | None = None
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_id = parent_id
+        self.flags = flags  # 1: sampled (recorded and exported)
+        self.state = state
+        self.start_ns = 0
+        self.name = ""
+        self.op: str | None = None
+        self.attrs: dict[str, Any] = {}
+        self.attempt: _Attempt | None = None
         self.attempts = 0
         self.usage: tuple[int, int] | None = None  # (input, output) tokens, once known
 
@@ -266,24 +377,26 @@ class RequestTrace:
     ) -> None:
         """A child span for an attempt on `up` (the `traceparent` it gets)."""
         self.attempts += 1
-        if not self.recording:
+        if not self.flags:
             return
         self.end_attempt(None)
         model = up.policy.model or rec.model
+        base = up.base
         attrs: dict[str, Any] = {
             "brownout.backend": up.name,
             "brownout.attempt": self.attempts,
             "brownout.tier": rec.rt.tier,
             "gen_ai.system": up.policy.kind,
-            "server.address": up.base.host or "",
+            "server.address": base.host or "",
         }
-        port = up.base.port
+        port = base.port
         if port is not None:
             attrs["server.port"] = port
         if model is not None:
             attrs["gen_ai.request.model"] = model
-        if self._op is not None:
-            attrs["gen_ai.operation.name"] = self._op
+        op = self.op
+        if op is not None:
+            attrs["gen_ai.operation.name"] = op
         if retry:
             attrs["brownout.retry"] = retry
         if reason:
@@ -291,48 +404,68 @@ class RequestTrace:
         if rescue_from:
             attrs["brownout.rescue"] = True
             attrs["brownout.rescue_from"] = rescue_from
-        op = self._op or "http"
-        self.attempt = self._tracing.tracer.start_span(
-            f"{op} {model}" if model else f"{op} {up.name}",
-            context=self._ctx,
-            kind=SpanKind.CLIENT,
-            attributes=attrs,
-        )
+        op = op or "http"
+        name = f"{op} {model}" if model else f"{op} {up.name}"
+        self.attempt = _Attempt(name, self._tracing._bits(64) or 1, attrs)
 
     def admission_wait(self, wait_s: float, result: str) -> None:
         """The admission queue's wait before this attempt (the primary, when
         throttling is on) and its end: `admitted`, or why it was shed."""
-        span = self.attempt
-        if span is not None:
-            span.set_attributes(
-                {"brownout.admission.wait_s": round(wait_s, 6), "brownout.admission": result}
-            )
+        a = self.attempt
+        if a is not None:
+            a.attrs["brownout.admission.wait_s"] = round(wait_s, 6)
+            a.attrs["brownout.admission"] = result
 
     def inject(self, headers: MutableMapping[str, str]) -> None:
-        """`traceparent` (and `tracestate`) of the attempt in progress, for its backend."""
-        span = self.attempt or self.span
-        ctx = span.get_span_context()
-        headers["traceparent"] = (
-            f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+        """The `traceparent` of the attempt in progress, for its backend (the
+        client's `tracestate` is passed through with the other headers)."""
+        a = self.attempt
+        span_id = a.span_id if a is not None else self.span_id
+        headers["traceparent"] = f"00-{self.trace_id:032x}-{span_id:016x}-{self.flags:02x}"
+
+    def _emit(
+        self,
+        name: str,
+        kind: SpanKind,
+        span_id: int,
+        parent_id: int,
+        start_ns: int,
+        attrs: dict[str, Any],
+        error: str | None,
+    ) -> None:
+        remote = parent_id == self.parent_id
+        self._tracing.emit(
+            SpanRecord(
+                name,
+                kind,
+                self.trace_id,
+                span_id,
+                parent_id,
+                remote,
+                self.flags,
+                self.state,
+                start_ns,
+                time.time_ns(),
+                attrs,
+                error,
+            )
         )
-        state = ctx.trace_state
-        if state:
-            headers["tracestate"] = state.to_header()
+
+    def _end(self, a: _Attempt, error: str | None) -> None:
+        self._emit(a.name, SpanKind.CLIENT, a.span_id, self.span_id, a.start_ns, a.attrs, error)
 
     def end_attempt(self, result: AttemptResult | None, decision: str = "") -> None:
         """The attempt's outcome (`None`: it ended without one, an exception)."""
-        span = self.attempt
-        if span is None:
+        a = self.attempt
+        if a is None:
             return
         self.attempt = None
         if result is None:
-            span.set_status(Status(StatusCode.ERROR, "attempt ended without a result"))
-            span.end()
+            self._end(a, "attempt ended without a result")
             return
-        attrs: dict[str, Any] = {
-            "brownout.outcome": result.outcome,
-            "http.response.status_code": result.status,
-        }
+        attrs = a.attrs
+        attrs["brownout.outcome"] = result.outcome
+        attrs["http.response.status_code"] = result.status
         if decision:
             attrs["brownout.next"] = decision
         if result.fault:
@@ -344,23 +477,20 @@ class RequestTrace:
             attrs["brownout.upstream_ttft_s"] = round(result.ttft, 6)
         if result.kind == "answered" and result.status == 200 and not result.delivered:
             self._answer_attributes(result, attrs)
-        span.set_attributes(attrs)
-        if result.kind in ("failed", "ended"):
-            span.set_status(Status(StatusCode.ERROR, result.fault or result.outcome))
-        span.end()
+        failed = result.kind in ("failed", "ended")
+        self._end(a, (result.fault or result.outcome) if failed else None)
 
     def end_rescue(self, result: AttemptResult | None) -> None:
         """The rescue's outcome: the stream continued to its end on the
         fallback, or not (`None`: the fallback could not take it over)."""
-        span = self.attempt
-        if span is None:
+        a = self.attempt
+        if a is None:
             return
         self.attempt = None
         outcome = "not_taken_over" if result is None else result.outcome
-        span.set_attribute("brownout.outcome", outcome)
-        if result is None or result.kind != "answered":
-            span.set_status(Status(StatusCode.ERROR, f"rescue {outcome}"))
-        span.end()
+        a.attrs["brownout.outcome"] = outcome
+        ok = result is not None and result.kind == "answered"
+        self._end(a, None if ok else f"rescue {outcome}")
 
     def _answer_attributes(self, result: AttemptResult, attrs: dict[str, Any]) -> None:
         """gen_ai.usage.* and gen_ai.response.* of a whole (non-streaming) answer."""
@@ -390,18 +520,15 @@ class RequestTrace:
 
     def finish(self, rec: RequestRecord, term: Terminal) -> None:
         """The request's end: what the client got."""
-        span = self.span
-        if not self.recording:
-            span.end()
+        if not self.flags:
             return
         self.end_attempt(None)  # one still open: the request ended under it
-        attrs: dict[str, Any] = {
-            "http.response.status_code": term.status,
-            "brownout.backend": term.backend,
-            "brownout.tier": "maintenance" if term.backend == "maintenance" else rec.rt.tier,
-            "brownout.outcome": term.outcome,
-            "brownout.attempts": self.attempts,
-        }
+        attrs = self.attrs
+        attrs["http.response.status_code"] = term.status
+        attrs["brownout.backend"] = term.backend
+        attrs["brownout.tier"] = "maintenance" if term.backend == "maintenance" else rec.rt.tier
+        attrs["brownout.outcome"] = term.outcome
+        attrs["brownout.attempts"] = self.attempts
         if rec.rescued:
             attrs["brownout.rescued"] = True
         if term.client_ttft is not None:
@@ -415,9 +542,15 @@ class RequestTrace:
         error = term.stream_error or (term.outcome if term.status >= 500 else "")
         if error:
             attrs["error.type"] = error
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.set_attributes(attrs)
-        span.end()
+        self._emit(
+            self.name,
+            SpanKind.SERVER,
+            self.span_id,
+            self.parent_id,
+            self.start_ns,
+            attrs,
+            error or None,
+        )
 
 
 def _response_attributes(obj: Mapping[str, Any], attrs: dict[str, Any]) -> None:

@@ -104,7 +104,7 @@ async def fresh(collector: Collector) -> Collector:
 
 
 def telemetry(endpoint: str, **extra: Any) -> str:
-    knobs = {"otlp_endpoint": endpoint, "batch_delay_s": 0.05, **extra}
+    knobs = {"otlp_endpoint": endpoint, "batch_delay_s": 0.05, "sample_ratio": 1, **extra}
     return "telemetry:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in knobs.items())
 
 

@@ -34,6 +34,10 @@ class Stuck(SpanExporter):
         self.release.set()
 
 
+def same(span: ReadableSpan) -> ReadableSpan:
+    return span
+
+
 def dropped(m: Metrics) -> float | None:
     return m.registry.get_sample_value("brownout_trace_spans_total", {"result": "dropped"})
 
@@ -42,7 +46,7 @@ def test_a_stuck_collector_costs_the_loop_nothing_and_drops_are_counted() -> Non
     m = Metrics()
     exporter = Stuck()
     pol = TelemetryPolicy(otlp_endpoint="http://x", max_queue_spans=8, max_batch_spans=4)
-    batch = BatchExport(exporter, pol, m.trace_spans.labels("dropped"))
+    batch = BatchExport(exporter, pol, m.trace_spans.labels("dropped"), same)
     span = ReadableSpan("s")
     for _ in range(4):
         batch.on_end(span)
@@ -64,7 +68,7 @@ def test_shutdown_is_bounded_by_its_timeout_when_the_collector_hangs() -> None:
     m = Metrics()
     exporter = Stuck()
     pol = TelemetryPolicy(otlp_endpoint="http://x", max_queue_spans=64, max_batch_spans=1)
-    batch = BatchExport(exporter, pol, m.trace_spans.labels("dropped"))
+    batch = BatchExport(exporter, pol, m.trace_spans.labels("dropped"), same)
     for _ in range(10):
         batch.on_end(ReadableSpan("s"))
     assert exporter.entered.wait(5)
