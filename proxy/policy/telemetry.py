@@ -30,9 +30,9 @@ class TelemetryPolicy:
     sample_ratio: float = knob(
         0.1,
         "Share of requests traced when the client sends no `traceparent` (a client's "
-        "sampled flag decides for its own request). Every traced request costs the "
-        "proxy about a quarter more CPU (its two spans encoded for export); at 0.1 "
-        "tracing stays within 5 % of the hot path (`bench/otel_ab.py`).",
+        "sampled flag decides for its own request). A traced request costs the proxy "
+        "about 1.6 times the CPU of an untraced one, its spans' export encoding "
+        "included (`bench/results/otel-cost.md`).",
         ge=0,
         le=1,
         unit="ratio",
