@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Install stamps, keyed on pyproject.toml: `make run` installs what running
 # needs (the proxy, the fallback server, the tiny model: `.[fallback]`);
-# `make test` adds the test and lint tools on top (`.[fallback,test]`).
+# `make test` adds the test and lint tools and the optional OpenTelemetry
+# exporter on top (`.[fallback,test,otel]`).
 PYPROJECT_HASH := $(shell cat pyproject.toml | md5sum | cut -c1-8)
 RUN_STAMP := $(VENV)/.installed-run-$(PYPROJECT_HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(PYPROJECT_HASH)
@@ -28,8 +29,8 @@ $(RUN_STAMP): pyproject.toml
 	@touch $@
 
 $(TEST_STAMP): $(RUN_STAMP)
-	@echo "== installing the test and lint tools into $(VENV)"
-	@$(PIP) -e '.[fallback,test]'
+	@echo "== installing the test and lint tools and the otel extra into $(VENV)"
+	@$(PIP) -e '.[fallback,test,otel]'
 	@touch $@
 
 # The proxy on :8080 in front of the fallback server on the tiny model (:8001);

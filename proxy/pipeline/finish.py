@@ -61,6 +61,9 @@ def finish(rec: RequestRecord, term: Terminal) -> None:
             )
     if notes:
         extra["guard_notes"] = notes
+    trace = rec.trace
+    if trace is not None:
+        trace.finish(rec, term)
     if rec.rescued:
         extra["rescued"] = True
     if term.detail:

@@ -40,6 +40,9 @@ def serve_passthrough(
 
 async def serve(rec: RequestRecord) -> web.StreamResponse:
     inbox = Inbox(rec.rt, rec.rid, rec.request, rec.body)
+    tracing = rec.rt.tracing
+    if tracing is not None:
+        rec.trace = tracing.start(rec)
     term: Terminal | None = None
     response: web.StreamResponse
     # In flight from here to the record: what a reload's drain waits for.

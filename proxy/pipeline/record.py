@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from proxy.guard.verdicts import Trip
     from proxy.pipeline.pump import StreamResult
     from proxy.runtime.generation import Runtime
+    from proxy.telemetry.tracing import RequestTrace
 
 # What became of one attempt on one backend.
 AttemptKind = Literal[
@@ -107,6 +108,8 @@ class RequestRecord:
     dropped: dict[str, list[str]] = field(default_factory=dict)
     # The candidate's own failure of this request (a gray release's evidence).
     candidate_fault: str = ""
+    # Its spans, when the policy traces (`telemetry.otlp_endpoint`).
+    trace: RequestTrace | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
 
     def headers(self, backend: str) -> dict[str, str]:

@@ -88,10 +88,16 @@ async def rescue_or_end(
         if permit is None:
             inbox.rescue("fallback_unavailable")
         else:
+            trace = rec.trace
+            if trace is not None:
+                trace.begin_attempt(rec, fb, rescue_from=up.name)
+            rescued: AttemptResult | None = None
             try:
                 rescued = await _rescue_on(rec, fb, permit, up, result, sr, inbox)
             finally:
                 inbox.settle(fb, permit)
+                if trace is not None:
+                    trace.end_rescue(rescued)
             if rescued is not None:
                 return rescued
     await end_with_error(sr)

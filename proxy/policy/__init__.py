@@ -58,6 +58,7 @@ from proxy.policy.priority import (
 from proxy.policy.schema import Policy
 from proxy.policy.server import ServerPolicy
 from proxy.policy.sessions import SessionsPolicy, TrimPolicy
+from proxy.policy.telemetry import TelemetryPolicy
 
 __all__ = [
     "PRIORITIES",
@@ -92,6 +93,7 @@ __all__ = [
     "SessionsPolicy",
     "SharedPolicy",
     "SpecialTokensRule",
+    "TelemetryPolicy",
     "ThrottlePolicy",
     "TimeoutPolicy",
     "TrimPolicy",

@@ -22,6 +22,7 @@ from proxy.policy.ladder import LadderPolicy
 from proxy.policy.rollout import RolloutPolicy
 from proxy.policy.server import ServerPolicy
 from proxy.policy.sessions import SessionsPolicy
+from proxy.policy.telemetry import TelemetryPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,7 @@ class Policy:
     guard: GuardPolicy = knob(GuardPolicy, "")
     faq: FaqPolicy = knob(FaqPolicy, "")
     rollout: RolloutPolicy = knob(RolloutPolicy, "")
+    telemetry: TelemetryPolicy = knob(TelemetryPolicy, "")
     # Where the policy came from (for status and reload), not a YAML key.
     source: str = field(default="<memory>", metadata={"internal": True})
 

@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import Counter
@@ -39,6 +39,9 @@ from proxy.sessions.counters import EstimateTokenCounter, RemoteTokenCounter, To
 from proxy.sessions.saves import PendingSaves
 from proxy.sessions.store import MemorySessionStore, SessionStore
 from proxy.telemetry.metrics import BackendMetrics, Metrics
+
+if TYPE_CHECKING:
+    from proxy.telemetry.tracing import Tracing
 
 log = structlog.get_logger("brownout.ladder")
 
@@ -92,6 +95,8 @@ class Runtime:
         self._estimate = EstimateTokenCounter()
         self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None
         self.shared: SharedState | None = None
+        # Traces (`telemetry.otlp_endpoint`): set up with the backends, else None.
+        self.tracing: Tracing | None = None
         self._applying_remote = False
         # The gray release of backends.candidate (proxy.runtime.canary).
         self.canary: Canary | None = (

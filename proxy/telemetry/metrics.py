@@ -364,6 +364,13 @@ class Metrics:
             "Policy reloads rejected (the running policy stayed).",
             registry=r,
         )
+        self.trace_spans = Counter(
+            "brownout_trace_spans",
+            "Trace spans by what became of them: exported, failed (the collector refused "
+            "them or could not be reached), dropped (the export queue was full).",
+            ["result"],
+            registry=r,
+        )
         self.loop_errors = Counter(
             "brownout_loop_errors",
             "Unexpected exceptions in background work (the loop went on after a backoff).",
