@@ -1,0 +1,229 @@
+"""Drill 9's candidate engine: a fault proxy in front of a real one.
+
+    brownout ─► fault proxy (this module, its own process) ─► vLLM
+
+Healthy, it forwards every request to the real engine and relays the answer
+(streams event by event, as the engine wrote them), so the candidate's
+answers, TTFTs and streams are a real engine's. Told to degrade
+(`POST /_fault {"mode": "oom"}`), it plays an engine that ran out of memory
+under the load of a larger rollout step:
+
+- each stream it is relaying ends at its next event with the error event
+  vLLM sends its open streams when its engine core fails
+  (`EngineCore encountered an issue`), then `[DONE]` — a stream cut
+  mid-answer;
+- each new generation request (`/v1/chat/completions`, `/v1/completions`)
+  is answered 500 with a CUDA out-of-memory error body — a failure before
+  the first byte;
+- everything else (`/health`, `/metrics`, `/v1/models`) still passes: the
+  API server is up and says so, only its answers show the fault (the
+  hardest case for a gate: no health probe sees it).
+
+`POST /_fault {"mode": "healthy"}` ends it. `GET /_fault` returns the mode,
+when it last changed, and every generation request seen: arrival time,
+`X-Request-Id`, and what became of it (`passed`, `oom`, `cut`, `upstream_error`)
+with the time it failed.
+
+    python -m tests.chaos.faultproxy --upstream http://127.0.0.1:8000 --port 9000
+
+Only the standard library and aiohttp: the process starts in about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["ENGINE_ERROR", "GENERATION", "MODES", "OOM_ERROR", "FaultProxy", "Seen", "main"]
+
+Mode = Literal["healthy", "oom"]
+MODES: tuple[Mode, ...] = ("healthy", "oom")
+GENERATION = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+# What vLLM and torch say (the bodies the proxy's attribution recognises as
+# out-of-memory and as engine death: proxy/control/attribution.py).
+OOM_ERROR: dict[str, Any] = {
+    "error": {
+        "message": "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.77 GiB total "
+        "capacity; 14.92 GiB already allocated; 312.00 MiB free)",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+ENGINE_ERROR: dict[str, Any] = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+_HOP = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
+)
+
+
+@dataclass
+class Seen:
+    """One generation request as the fault proxy saw it (wall-clock seconds)."""
+
+    at: float
+    request_id: str
+    path: str
+    action: Literal["passed", "oom", "cut", "upstream_error"] = "passed"
+    failed_at: float | None = None
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, clock: Callable[[], float] = time.time) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.clock = clock
+        self.mode: Mode = "healthy"
+        self.changed_at: float | None = None
+        self.seen: list[Seen] = []
+        self._http: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/_fault", self.get_fault)
+        app.router.add_post("/_fault", self.set_fault)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _: web.Application) -> None:
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            auto_decompress=False,
+        )
+
+    async def _close(self, _: web.Application) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    # -- control ---------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "changed_at": self.changed_at,
+            "seen": [asdict(s) for s in self.seen],
+        }
+
+    async def get_fault(self, _: web.Request) -> web.Response:
+        return web.json_response(self.report())
+
+    async def set_fault(self, request: web.Request) -> web.Response:
+        try:
+            mode = (await request.json()).get("mode")
+        except (ValueError, AttributeError):
+            mode = None
+        if mode not in MODES:
+            return web.json_response({"error": f"mode must be one of {MODES}"}, status=400)
+        self.mode = mode
+        self.changed_at = self.clock()
+        return web.json_response({"mode": self.mode, "at": self.changed_at})
+
+    # -- the proxy --------------------------------------------------------------------
+
+    def _fail(self, seen: Seen, action: Literal["oom", "cut", "upstream_error"]) -> None:
+        seen.action = action
+        seen.failed_at = self.clock()
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        seen: Seen | None = None
+        if request.method == "POST" and request.path in GENERATION:
+            seen = Seen(self.clock(), request.headers.get("X-Request-Id", ""), request.path)
+            self.seen.append(seen)
+            if self.mode == "oom":
+                self._fail(seen, "oom")
+                return web.json_response(OOM_ERROR, status=500)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        assert self._http is not None
+        try:
+            async with self._http.request(
+                request.method,
+                self.upstream + request.path_qs,
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+            ) as up:
+                ctype = up.headers.get("Content-Type", "")
+                if not ctype.startswith("text/event-stream"):
+                    data = await up.read()
+                    if seen is not None and self.mode == "oom":
+                        self._fail(seen, "oom")  # the answer was lost with the engine
+                        return web.json_response(OOM_ERROR, status=500)
+                    kept = {"Content-Type": ctype} if ctype else {}
+                    return web.Response(status=up.status, body=data, headers=kept)
+                return await self._relay(request, up, seen)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if seen is not None:
+                self._fail(seen, "upstream_error")
+            return web.json_response(
+                {"error": {"message": f"fault proxy: {type(exc).__name__}", "code": 502}},
+                status=502,
+            )
+
+    async def _relay(
+        self, request: web.Request, up: aiohttp.ClientResponse, seen: Seen | None
+    ) -> web.StreamResponse:
+        """The engine's stream, one whole SSE event at a time (so a cut never
+        splits one); degraded, the next event is the engine's error instead."""
+        resp = web.StreamResponse(
+            status=up.status,
+            headers={"Content-Type": up.headers["Content-Type"], "Cache-Control": "no-cache"},
+        )
+        await resp.prepare(request)
+        buf = b""
+        try:
+            async for chunk in up.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if self.mode == "oom":
+                        if seen is not None:
+                            self._fail(seen, "cut")
+                        await resp.write(
+                            b"data: " + json.dumps(ENGINE_ERROR).encode() + b"\n\ndata: [DONE]\n\n"
+                        )
+                        await resp.write_eof()
+                        return resp  # leaving the block closes the engine's stream
+                    await resp.write(event + b"\n\n")
+            if buf:
+                await resp.write(buf)
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientError):
+            pass  # the proxy went away (its client left), or the engine did
+        return resp
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--upstream", required=True, help="the real engine's base URL")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args(argv)
+    web.run_app(
+        FaultProxy(args.upstream).app(),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+        handler_cancellation=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
