@@ -4,8 +4,9 @@ the second step, under load (issue 21).
 The candidate (`backends.candidate`) is a fault proxy (`tests.chaos.faultproxy`,
 its own process) in front of the stack's real vLLM: healthy, its answers are
 the engine's own; degraded, it plays an engine out of memory — the streams
-it is generating end with vLLM's engine error event, new generation requests
-get a 500 "CUDA out of memory", its `/health` stays 200. Why this fault: it
+it is generating end mid-answer with vLLM's engine error event, new
+generation requests get a 500 "CUDA out of memory", its `/health` stays 200.
+Why this fault: it
 is the brief's stability gate ("OOM and timeouts at 0 %"), it is what a
 larger step's load does to an engine sized too tight, and it hits the two
 paths that must cost users nothing — a failure before the first byte

@@ -8,10 +8,13 @@ answers, TTFTs and streams are a real engine's. Told to degrade
 (`POST /_fault {"mode": "oom"}`), it plays an engine that ran out of memory
 under the load of a larger rollout step:
 
-- each stream it is relaying ends at its next event with the error event
-  vLLM sends its open streams when its engine core fails
-  (`EngineCore encountered an issue`), then `[DONE]` — a stream cut
-  mid-answer;
+- each stream it is relaying ends with the error event vLLM sends its open
+  streams when its engine core fails (`EngineCore encountered an issue`),
+  then `[DONE]` — at its next event once it has relayed `cut_after` events
+  (16 unless the POST says otherwise), so that the cut lands mid-answer:
+  on a CPU an answer's tokens come in one short burst after a long prefill,
+  and a cut "at the next event" would almost always fall before the first
+  token (a failure before the first byte, which new requests already show);
 - each new generation request (`/v1/chat/completions`, `/v1/completions`)
   is answered 500 with a CUDA out-of-memory error body — a failure before
   the first byte;
@@ -20,9 +23,9 @@ under the load of a larger rollout step:
   hardest case for a gate: no health probe sees it).
 
 `POST /_fault {"mode": "healthy"}` ends it. `GET /_fault` returns the mode,
-when it last changed, and every generation request seen: arrival time,
-`X-Request-Id`, and what became of it (`passed`, `oom`, `cut`, `upstream_error`)
-with the time it failed.
+when it last changed, the generation requests in flight, and every one seen:
+arrival time, `X-Request-Id`, what became of it (`passed`, `oom`, `cut`,
+`upstream_error`), the time it failed, the events it relayed, when it ended.
 
     python -m tests.chaos.faultproxy --upstream http://127.0.0.1:8000 --port 9000
 
@@ -66,6 +69,8 @@ ENGINE_ERROR: dict[str, Any] = {
         "code": 500,
     }
 }
+CUT_AFTER = 16  # events a stream relays before a degraded engine cuts it
+
 _HOP = frozenset(
     {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
 )
@@ -80,6 +85,8 @@ class Seen:
     path: str
     action: Literal["passed", "oom", "cut", "upstream_error"] = "passed"
     failed_at: float | None = None
+    events: int = 0  # SSE events relayed (a stream)
+    ended: float | None = None
 
 
 class FaultProxy:
@@ -87,6 +94,7 @@ class FaultProxy:
         self.upstream = upstream.rstrip("/")
         self.clock = clock
         self.mode: Mode = "healthy"
+        self.cut_after = CUT_AFTER
         self.changed_at: float | None = None
         self.seen: list[Seen] = []
         self._http: aiohttp.ClientSession | None = None
@@ -116,7 +124,9 @@ class FaultProxy:
     def report(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "cut_after": self.cut_after,
             "changed_at": self.changed_at,
+            "inflight": sum(1 for s in self.seen if s.ended is None),
             "seen": [asdict(s) for s in self.seen],
         }
 
@@ -125,12 +135,16 @@ class FaultProxy:
 
     async def set_fault(self, request: web.Request) -> web.Response:
         try:
-            mode = (await request.json()).get("mode")
+            body = await request.json()
+            mode, cut_after = body.get("mode"), body.get("cut_after", CUT_AFTER)
         except (ValueError, AttributeError):
-            mode = None
-        if mode not in MODES:
-            return web.json_response({"error": f"mode must be one of {MODES}"}, status=400)
-        self.mode = mode
+            mode = cut_after = None
+        if mode not in MODES or not isinstance(cut_after, int) or cut_after < 0:
+            return web.json_response(
+                {"error": f"expected mode (one of {MODES}) and optional cut_after (events)"},
+                status=400,
+            )
+        self.mode, self.cut_after = mode, cut_after
         self.changed_at = self.clock()
         return web.json_response({"mode": self.mode, "at": self.changed_at})
 
@@ -141,14 +155,21 @@ class FaultProxy:
         seen.failed_at = self.clock()
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
         seen: Seen | None = None
         if request.method == "POST" and request.path in GENERATION:
             seen = Seen(self.clock(), request.headers.get("X-Request-Id", ""), request.path)
             self.seen.append(seen)
-            if self.mode == "oom":
-                self._fail(seen, "oom")
-                return web.json_response(OOM_ERROR, status=500)
+        try:
+            return await self._forward(request, seen)
+        finally:
+            if seen is not None:
+                seen.ended = self.clock()
+
+    async def _forward(self, request: web.Request, seen: Seen | None) -> web.StreamResponse:
+        body = await request.read()
+        if seen is not None and self.mode == "oom":
+            self._fail(seen, "oom")
+            return web.json_response(OOM_ERROR, status=500)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         assert self._http is not None
         try:
@@ -180,7 +201,8 @@ class FaultProxy:
         self, request: web.Request, up: aiohttp.ClientResponse, seen: Seen | None
     ) -> web.StreamResponse:
         """The engine's stream, one whole SSE event at a time (so a cut never
-        splits one); degraded, the next event is the engine's error instead."""
+        splits one); degraded, the engine's error instead of the next event
+        once `cut_after` events went through."""
         resp = web.StreamResponse(
             status=up.status,
             headers={"Content-Type": up.headers["Content-Type"], "Cache-Control": "no-cache"},
@@ -192,7 +214,7 @@ class FaultProxy:
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
-                    if self.mode == "oom":
+                    if self.mode == "oom" and (seen is None or seen.events >= self.cut_after):
                         if seen is not None:
                             self._fail(seen, "cut")
                         await resp.write(
@@ -201,6 +223,8 @@ class FaultProxy:
                         await resp.write_eof()
                         return resp  # leaving the block closes the engine's stream
                     await resp.write(event + b"\n\n")
+                    if seen is not None:
+                        seen.events += 1
             if buf:
                 await resp.write(buf)
             await resp.write_eof()

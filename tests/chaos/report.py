@@ -130,7 +130,7 @@ def canary_section(s: CanarySummary, sent: int) -> str:
     out.append(
         f"\nThe candidate failed {failed} of the load's requests ("
         f"{_counts(s.candidate_failed)}: `oom` = a 500 before the first byte, `cut` = a "
-        "stream ended by the engine error event); what their clients got: "
+        "stream ended mid-answer by the engine error event); what their clients got: "
         f"{_counts(s.failed_outcomes)}. Its other failed generation requests (the "
         f"proxy's own recovery probes): {s.probes_failed}. The load's requests that reached "
         f"the candidate more than {ROUTED_GRACE_S:g} s after the rollback: "

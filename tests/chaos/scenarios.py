@@ -537,7 +537,9 @@ async def _fault_mode(ctx: DrillContext, cand: CandidateProc, mode: str) -> floa
 
 def _rollout_marks(ctx: DrillContext, snap: dict[str, Any]) -> None:
     for h in snap.get("history") or []:
-        step = f"step {int(h['step']) + 1} of {len(CANARY_STEPS)} ({float(h['share']):.0%})"
+        i = int(h["step"])
+        share = CANARY_STEPS[i] if 0 <= i < len(CANARY_STEPS) else float(h["share"])
+        step = f"step {i + 1} of {len(CANARY_STEPS)} ({share:.0%})"
         text = {
             "started": f"rollout started: {step}",
             "step": f"rollout: {step}",
@@ -575,15 +577,15 @@ async def drill_bad_canary(ctx: DrillContext) -> None:
     _rollout_marks(ctx, snap)
     if snap.get("bundle_error"):
         ctx.note(f"bundle_error in the rollout status: {snap['bundle_error']}")
-    if snap.get("state") == "rolled_back":
+    rolled = [h for h in snap.get("history") or [] if h.get("change") == "rolled_back"]
+    if snap.get("state") == "rolled_back" and rolled:
         bundles = snap.get("bundles") or []
-        step = snap.get("step")
         run.bundle = await asyncio.to_thread(
             read_bundle,
             bundles[-1] if bundles else None,
             str(snap.get("id") or ""),
             str(snap.get("failed_gate") or ""),
-            int(step) if isinstance(step, int) else -1,
+            int(rolled[-1]["step"]),
         )
 
 
@@ -615,14 +617,21 @@ async def _bad_canary(ctx: DrillContext, cand: CandidateProc, run: CanaryRun, po
         )
         return
     await asyncio.sleep(d.canary_hold_s)
-    # Streams under way on both arms; bounded so that the fault lands inside the step.
-    left = d.canary_step_s - d.canary_hold_s - 1.5
-    got = await ctx.load.mid_stream(max(1, d.workers // 2), limit_s=max(0.5, left))
-    ctx.info(f"{got} answers in their first third when the fault hits")
+    # A stream under way on the candidate (the cut's case); bounded, so that
+    # the fault lands inside the step.
+    deadline = time.monotonic() + max(0.5, d.canary_step_s - d.canary_hold_s - 1.5)
+    inflight = 0
+    while time.monotonic() < deadline:
+        async with ctx.http.get(cand.url + "/_fault") as resp:
+            inflight = int((await resp.json())["inflight"])
+        if inflight:
+            break
+        await asyncio.sleep(0.05)
+    ctx.info(f"{inflight} request(s) in flight on the candidate when the fault hits")
     f = ctx.fault(
         "the candidate runs out of memory at the second step (50 %): its streams end "
-        "with vLLM's engine error event, new generation requests get 500 CUDA out of "
-        "memory, its /health stays 200",
+        "mid-answer (after 16 events) with vLLM's engine error event, new generation "
+        "requests get 500 CUDA out of memory, its /health stays 200",
         detect="rollout",
     )
     run.degraded_at = await _fault_mode(ctx, cand, "oom")

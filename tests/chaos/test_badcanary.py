@@ -151,29 +151,54 @@ async def test_out_of_memory_new_requests_get_an_oom_the_proxy_recognises(rig: A
     assert rep["mode"] == "healthy" and [s["action"] for s in rep["seen"]][-1] == "passed"
 
 
-@pytest.mark.parametrize("rig", [{"events": 50, "gap_s": 0.02}], indirect=True)
-async def test_out_of_memory_a_stream_under_way_ends_with_the_engine_error(rig: Any) -> None:
+@pytest.mark.parametrize("rig", [{"events": 50, "gap_s": 0.01}], indirect=True)
+@pytest.mark.parametrize("cut_after", [16, 0])
+async def test_out_of_memory_a_stream_under_way_ends_with_the_engine_error(
+    rig: Any, cut_after: int
+) -> None:
+    """Mid-answer: once it relayed `cut_after` events (16 by default), a
+    stream under way gets the engine's error event and [DONE]."""
     engine, fp, url, http = rig
     task = asyncio.create_task(_ask(http, url, "r1"))
     await asyncio.wait_for(engine.started.wait(), 5)
-    await _mode(http, url, "oom")
+    async with http.post(url + "/_fault", json={"mode": "oom", "cut_after": cut_after}) as r:
+        assert r.status == 200
     status, raw = await asyncio.wait_for(task, 5)
     assert status == 200
-    assert raw.startswith(event("t0"))
-    assert raw.endswith(b"data: [DONE]\n\n")
-    err = raw.split(b"\n\n")[-3]
-    assert err.startswith(b"data: ")
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    content = [e + b"\n\n" for e in events[:-3]]
+    # Whole events, the engine's own, as many as cut_after (at least the one before the fault).
+    assert content == [event(f"t{i}") for i in range(len(content))]
+    assert len(content) == max(cut_after, 1)
     # An in-band engine death: definitive for Brownout, an error for the client.
-    assert attribute("stream_error", 200, err[6:]).fault == "engine_dead"
+    assert attribute("stream_error", 200, events[-3][6:]).fault == "engine_dead"
     v = classify(200, "text/event-stream", raw)
     assert (v.outcome, v.code) == ("error", "500")
     await asyncio.wait_for(engine.closed.wait(), 5)  # the engine's stream was closed
-    assert [s.action for s in fp.seen] == ["cut"]
+    (seen,) = fp.seen
+    assert (seen.action, seen.events) == ("cut", len(content))
+    assert seen.failed_at is not None and seen.ended is not None
+
+
+async def test_it_reports_the_requests_in_flight(rig: Any) -> None:
+    engine, _, url, http = rig
+    engine.events, engine.gap_s = 20, 0.02
+    task = asyncio.create_task(_ask(http, url, "r1"))
+    await asyncio.wait_for(engine.started.wait(), 5)
+    async with http.get(url + "/_fault") as r:
+        assert (await r.json())["inflight"] == 1
+    await task
+    async with http.get(url + "/_fault") as r:
+        rep = await r.json()
+    assert rep["inflight"] == 0 and rep["seen"][0]["events"] == 22  # 20 + finish + [DONE]
 
 
 async def test_an_unknown_mode_is_refused(rig: Any) -> None:
     _, fp, url, http = rig
     assert await _mode(http, url, "slow") == 400
+    async with http.post(url + "/_fault", json={"mode": "oom", "cut_after": -1}) as r:
+        assert r.status == 400
     assert fp.mode == "healthy"
 
 
