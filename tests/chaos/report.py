@@ -299,9 +299,10 @@ def render(
         summary_table(results),
         "Detect: the first tier change after each fault (the proxy's own transition "
         "time), or for faults that leave the tier alone the first sign the proxy noticed "
-        "(session store reported down, reload rejected). Back to normal: from the fault's "
-        "removal (vLLM healthy again, SIGCONT, Redis up, burst over, good policy "
-        "reloaded) until `/brownout/status` shows tier `normal` with no ramp (polled "
+        "(session store reported down, reload rejected; for the bad canary, the rollout's "
+        "rollback). Back to normal: from the fault's removal (vLLM healthy again, "
+        "SIGCONT, Redis up, burst over, good policy reloaded, the candidate healthy "
+        "again) until `/brownout/status` shows tier `normal` with no ramp (polled "
         "every 0.2 s). Explicit errors include 429 sheds (Retry-After) during overload.\n",
     ]
     problems = [f"- drill {r.number} ({r.title}): {p}" for r in results for p in r.problems]

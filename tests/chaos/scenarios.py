@@ -196,9 +196,13 @@ class DrillContext:
         self.canary: CanaryRun | None = None
 
     def fault(
-        self, label: str, detect: Literal["tier", "store", "reload", "rollout", "none"] = "tier"
+        self,
+        label: str,
+        detect: Literal["tier", "store", "reload", "rollout", "none"] = "tier",
+        at: float | None = None,
     ) -> Fault:
-        f = Fault(label, time.time(), detect)
+        """A fault injected now (or at `at`, when the component that injected it says when)."""
+        f = Fault(label, time.time() if at is None else at, detect)
         self.faults.append(f)
         self.marks.append(Mark(f.t, f"FAULT: {label}"))
         return f
@@ -628,13 +632,14 @@ async def _bad_canary(ctx: DrillContext, cand: CandidateProc, run: CanaryRun, po
             break
         await asyncio.sleep(0.05)
     ctx.info(f"{inflight} request(s) in flight on the candidate when the fault hits")
+    run.degraded_at = await _fault_mode(ctx, cand, "oom")
     f = ctx.fault(
         "the candidate runs out of memory at the second step (50 %): its streams end "
         "mid-answer (after 16 events) with vLLM's engine error event, new generation "
         "requests get 500 CUDA out of memory, its /health stays 200",
         detect="rollout",
+        at=run.degraded_at,  # the fault proxy's own time of the switch
     )
-    run.degraded_at = await _fault_mode(ctx, cand, "oom")
     snap, run.polled_at = await _rollout_until(
         ctx, lambda s: s.get("state") != "step", d.canary_rollback_wait_s
     )
