@@ -22,6 +22,10 @@ under the load of a larger rollout step:
   API server is up and says so, only its answers show the fault (the
   hardest case for a gate: no health probe sees it).
 
+`"wait_streams": N` (with `"limit_s"`) holds the switch until N generation
+requests are in flight that have not yet relayed `cut_after` events — so
+the fault finds streams to cut, decided inside this process, without the
+race of a separate look; past `limit_s` it switches anyway.
 `POST /_fault {"mode": "healthy"}` ends it. `GET /_fault` returns the mode,
 when it last changed, the generation requests in flight, and every one seen:
 arrival time, `X-Request-Id`, what became of it (`passed`, `oom`, `cut`,
@@ -35,6 +39,8 @@ Only the standard library and aiohttp: the process starts in about a second.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -97,6 +103,7 @@ class FaultProxy:
         self.cut_after = CUT_AFTER
         self.changed_at: float | None = None
         self.seen: list[Seen] = []
+        self._arrived = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
@@ -137,16 +144,36 @@ class FaultProxy:
         try:
             body = await request.json()
             mode, cut_after = body.get("mode"), body.get("cut_after", CUT_AFTER)
+            wait, limit_s = body.get("wait_streams", 0), body.get("limit_s", 10)
         except (ValueError, AttributeError):
-            mode = cut_after = None
-        if mode not in MODES or not isinstance(cut_after, int) or cut_after < 0:
+            mode = cut_after = wait = limit_s = None
+        if (
+            mode not in MODES
+            or not isinstance(cut_after, int)
+            or cut_after < 0
+            or not isinstance(wait, int)
+            or not isinstance(limit_s, int | float)
+        ):
             return web.json_response(
-                {"error": f"expected mode (one of {MODES}) and optional cut_after (events)"},
+                {
+                    "error": f"expected mode (one of {MODES}) and optionally cut_after "
+                    "(events), wait_streams (count), limit_s (seconds)"
+                },
                 status=400,
             )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(float(limit_s)):
+                while self._early(cut_after) < wait:
+                    self._arrived.clear()
+                    await self._arrived.wait()  # only an arrival adds one
+        early = self._early(cut_after)
         self.mode, self.cut_after = mode, cut_after
         self.changed_at = self.clock()
-        return web.json_response({"mode": self.mode, "at": self.changed_at})
+        return web.json_response({"mode": self.mode, "at": self.changed_at, "early": early})
+
+    def _early(self, cut_after: int) -> int:
+        """Generation requests in flight that have relayed fewer than `cut_after` events."""
+        return sum(1 for s in self.seen if s.ended is None and s.events < cut_after)
 
     # -- the proxy --------------------------------------------------------------------
 
@@ -159,15 +186,20 @@ class FaultProxy:
         if request.method == "POST" and request.path in GENERATION:
             seen = Seen(self.clock(), request.headers.get("X-Request-Id", ""), request.path)
             self.seen.append(seen)
+            self._arrived.set()
+        # Decided on arrival: a request that came before the switch is under way.
+        refuse = seen is not None and self.mode == "oom"
         try:
-            return await self._forward(request, seen)
+            return await self._forward(request, seen, refuse)
         finally:
             if seen is not None:
                 seen.ended = self.clock()
 
-    async def _forward(self, request: web.Request, seen: Seen | None) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, seen: Seen | None, refuse: bool
+    ) -> web.StreamResponse:
         body = await request.read()
-        if seen is not None and self.mode == "oom":
+        if seen is not None and refuse:
             self._fail(seen, "oom")
             return web.json_response(OOM_ERROR, status=500)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}

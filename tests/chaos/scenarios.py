@@ -531,12 +531,16 @@ async def _rollout_until(
         await asyncio.sleep(0.1)
 
 
-async def _fault_mode(ctx: DrillContext, cand: CandidateProc, mode: str) -> float:
-    async with ctx.http.post(cand.url + "/_fault", json={"mode": mode}) as resp:
-        body = await resp.json()
+async def _fault_mode(
+    ctx: DrillContext, cand: CandidateProc, mode: str, **wait: float
+) -> dict[str, Any]:
+    """Switch the fault proxy (see tests.chaos.faultproxy): its answer, with
+    the time of the switch (`at`)."""
+    async with ctx.http.post(cand.url + "/_fault", json={"mode": mode, **wait}) as resp:
+        body: dict[str, Any] = await resp.json()
         if resp.status != 200:
             raise DrillError(f"the fault proxy answered {resp.status}: {body}")
-        return float(body["at"])
+        return body
 
 
 def _rollout_marks(ctx: DrillContext, snap: dict[str, Any]) -> None:
@@ -621,18 +625,18 @@ async def _bad_canary(ctx: DrillContext, cand: CandidateProc, run: CanaryRun, po
         )
         return
     await asyncio.sleep(d.canary_hold_s)
-    # A stream under way on the candidate (the cut's case); bounded, so that
-    # the fault lands inside the step.
-    deadline = time.monotonic() + max(0.5, d.canary_step_s - d.canary_hold_s - 1.5)
-    inflight = 0
-    while time.monotonic() < deadline:
-        async with ctx.http.get(cand.url + "/_fault") as resp:
-            inflight = int((await resp.json())["inflight"])
-        if inflight:
-            break
-        await asyncio.sleep(0.05)
-    ctx.info(f"{inflight} request(s) in flight on the candidate when the fault hits")
-    run.degraded_at = await _fault_mode(ctx, cand, "oom")
+    # The switch waits (inside the fault proxy) for a stream under way on the
+    # candidate that it can cut mid-answer; bounded, so the fault lands inside the step.
+    limit_s = max(0.5, d.canary_step_s - d.canary_hold_s - 1.5)
+    switched = await _fault_mode(ctx, cand, "oom", wait_streams=1, limit_s=limit_s)
+    run.degraded_at = float(switched["at"])
+    ctx.marks.append(
+        Mark(
+            run.degraded_at,
+            f"{switched['early']} request(s) in flight on the candidate, not yet "
+            "16 events into their answer, when the fault hits",
+        )
+    )
     f = ctx.fault(
         "the candidate runs out of memory at the second step (50 %): its streams end "
         "mid-answer (after 16 events) with vLLM's engine error event, new generation "

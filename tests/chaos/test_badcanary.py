@@ -194,6 +194,31 @@ async def test_it_reports_the_requests_in_flight(rig: Any) -> None:
     assert rep["inflight"] == 0 and rep["seen"][0]["events"] == 22  # 20 + finish + [DONE]
 
 
+@pytest.mark.parametrize("rig", [{"events": 50, "gap_s": 0.01}], indirect=True)
+async def test_the_switch_can_wait_for_a_stream_to_cut(rig: Any) -> None:
+    """`wait_streams`: the fault starts once a stream is under way that has
+    not yet relayed `cut_after` events, so it is cut mid-answer."""
+    _, fp, url, http = rig
+    switch = asyncio.create_task(
+        http.post(url + "/_fault", json={"mode": "oom", "wait_streams": 1, "limit_s": 5})
+    )
+    await asyncio.sleep(0.1)
+    assert fp.mode == "healthy"  # nothing in flight yet: still waiting
+    status, raw = await asyncio.wait_for(_ask(http, url, "r1"), 5)
+    async with await switch as r:
+        body = await r.json()
+    assert (r.status, body["mode"], body["early"]) == (200, "oom", 1)
+    assert status == 200 and raw.count(b'"content": "t') == 16
+    assert fp.seen[0].action == "cut"
+    # With nothing in flight, the switch comes at `limit_s` anyway.
+    async with http.post(url + "/_fault", json={"mode": "healthy"}):
+        pass
+    async with http.post(
+        url + "/_fault", json={"mode": "oom", "wait_streams": 1, "limit_s": 0.05}
+    ) as r:
+        assert (await r.json())["early"] == 0 and fp.mode == "oom"
+
+
 async def test_an_unknown_mode_is_refused(rig: Any) -> None:
     _, fp, url, http = rig
     assert await _mode(http, url, "slow") == 400
