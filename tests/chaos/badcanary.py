@@ -298,7 +298,7 @@ class CanarySummary:
     probes_failed: int  # other generation requests it failed (the proxy's own probes)
     failed_outcomes: dict[str, int]  # what the clients got for those requests
     users_after_rollback: int  # the load's requests the candidate got after the rollback
-    arms: dict[str, dict[str, int]]  # stretch → X-Brownout-Backend → answers
+    arms: dict[str, dict[str, int]]  # stretch → X-Brownout-Backend → requests sent in it
     saw_error: int  # the load's requests with an error, truncated or hung
     bundle: Bundle | None
     policy_added: str = ""  # the candidate's and the rollout's policy lines
@@ -388,9 +388,9 @@ def summarize(
         stretches.append(("after the rollback", rolled_back_at, float("inf")))
     arms: dict[str, dict[str, int]] = {}
     for name, a, b in stretches:
-        c = collections.Counter(
-            r.backend or "?" for r in records if r.headers_at is not None and a <= r.headers_at < b
-        )
+        # By the time the request was sent: its arm was chosen then (a stream
+        # rescued after the rollback still says `candidate`, its first arm).
+        c = collections.Counter(r.backend or "?" for r in records if a <= r.started < b)
         arms[name] = dict(sorted(c.items()))
     return CanarySummary(
         rollout_id=str(rollout.get("id") or ""),

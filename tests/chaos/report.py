@@ -147,7 +147,11 @@ def canary_section(s: CanarySummary, sent: int) -> str:
     )
     if s.arms:
         names = sorted({b for arms in s.arms.values() for b in arms})
-        out.append("\n| stretch (by response time) | " + " | ".join(names) + " |")
+        out.append(
+            "\n`X-Brownout-Backend` of the load's requests, by when they were sent "
+            "(`?`: no answer header):\n"
+        )
+        out.append("| stretch | " + " | ".join(names) + " |")
         out.append("|---|" + "---:|" * len(names))
         out.extend(
             f"| {name} | " + " | ".join(str(arms.get(b, 0)) for b in names) + " |"

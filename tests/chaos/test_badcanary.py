@@ -410,6 +410,9 @@ RECORDS = [
     _req(1, 10, T0 + 32.6, "primary"),
     _req(1, 11, T0 + 40, "primary"),
 ]
+# The stream cut mid-answer began before the rollback; its first byte (and the
+# header naming the candidate) came after it: it counts where it was sent.
+RECORDS[2].headers_at = T0 + 33.0
 
 
 def _summary(
