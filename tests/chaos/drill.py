@@ -736,6 +736,11 @@ class Load:
     def sessions(self) -> list[str]:
         return sorted({r.session for r in self.records})
 
+    @staticmethod
+    def session_id(run_id: str, group: str, i: int) -> str:
+        """The `X-Session-Id` of client `i` of a load group (also its request ids' prefix)."""
+        return f"{run_id}-{group}-{i}"
+
     def start(self, group: str, workers: int, think_s: float | None = None) -> None:
         """`workers` clients, each looping: ask, read the whole answer, think."""
         if group in self._groups:
@@ -743,7 +748,9 @@ class Load:
         stop = asyncio.Event()
         think = self.think_s if think_s is None else think_s
         tasks = [
-            asyncio.create_task(self._worker(f"{self.run_id}-{group}-{i}", group, stop, think))
+            asyncio.create_task(
+                self._worker(self.session_id(self.run_id, group, i), group, stop, think)
+            )
             for i in range(workers)
         ]
         self._groups[group] = _Group(stop, tasks)
