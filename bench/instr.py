@@ -37,7 +37,9 @@ BODY = (
 )
 
 
-async def load(url: str, n: int, conc: int) -> None:
+async def load(url: str, n: int, conc: int, sticky: bool = False) -> None:
+    """`n` streaming chat requests, `conc` at a time; `sticky`: each with a
+    fresh `X-Bench-User` (a rollout's sticky key, as bench/post.lua sends it)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
         left = n
 
@@ -45,9 +47,10 @@ async def load(url: str, n: int, conc: int) -> None:
             nonlocal left
             while left > 0:
                 left -= 1
-                async with s.post(
-                    url, data=BODY, headers={"Content-Type": "application/json"}
-                ) as r:
+                headers = {"Content-Type": "application/json"}
+                if sticky:
+                    headers["X-Bench-User"] = f"user-{left}"
+                async with s.post(url, data=BODY, headers=headers) as r:
                     await r.read()
                     assert r.status == 200, r.status
 
@@ -64,12 +67,14 @@ def callgrind(out: Path, cmd: list[str], cwd: Path, env: dict[str, str]) -> subp
     )
 
 
-def measure(p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int) -> float:
+def measure(
+    p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int, sticky: bool = False
+) -> float:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     wait_port(port, 600)
-    asyncio.run(load(url, 200, conc))  # warm-up: connections, caches, lazy imports
+    asyncio.run(load(url, 200, conc, sticky))  # warm-up: connections, caches, lazy imports
     subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
-    asyncio.run(load(url, n, conc))
+    asyncio.run(load(url, n, conc, sticky))
     subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
     dumps = sorted(glob.glob(f"{out}*"), key=os.path.getmtime)
     text = Path(dumps[-1]).read_text(errors="replace")

@@ -8,6 +8,7 @@ from typing import Any
 
 import structlog
 
+from proxy.control.rollout import RUNNING
 from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal
 
 log = structlog.get_logger("brownout.request")
@@ -46,8 +47,8 @@ def finish(rec: RequestRecord, term: Terminal) -> None:
     if term.bad_request:
         m.bad_requests.labels(term.bad_request).inc()
     canary = rt.canary
-    if canary is not None:
-        canary.finished(rec, term, elapsed)
+    if canary is not None and canary.rollout.state in RUNNING:
+        canary.finished(rec, term, elapsed)  # the gates' sample (a rollout runs)
     extra: dict[str, Any] = {}
     notes = []
     for backend, sg in rec.guards:

@@ -3,7 +3,8 @@ requests that pass, the evaluation loop, the rollback bundle and the saved
 state.
 
 Per request (only while a rollout runs): one hash for the sticky bucket at
-routing, one `Gates.observe` at the finish. A candidate failure counts
+routing (none for a request that cannot go to the candidate), one
+`Gates.observe` at the finish. A candidate failure counts
 against it when it is its own: definitive (refused, engine death, OOM), a
 stream it cut mid-answer, or a failure before the first byte of a request
 that another backend then answered — the same request was fine elsewhere,
@@ -106,29 +107,34 @@ class Canary:
         self.bundles: list[str] = []
         self.bundle_error: str | None = None
         self.state_error: str | None = None
+        # The sticky key's header, found once per policy (not per request).
         sticky = rp.sticky
-        self._header = sticky[7:] if sticky.startswith("header:") else None
+        self._key_header: str | None = (
+            "X-Session-Id"
+            if sticky == "session"
+            else sticky[7:]
+            if sticky.startswith("header:")
+            else None
+        )
+        self._key_is_api_key = sticky == "api_key"
         self._wall_offset = time.time() - clock()
 
     # -- per request ---------------------------------------------------------------
 
     def bucket_of(self, rec: RequestRecord) -> float:
-        headers = rec.request.headers
-        sticky = self.policy.sticky
-        if sticky == "session":
-            key = headers.get("X-Session-Id")
-        elif sticky == "api_key":
-            key = bearer_token(headers.get("Authorization"))
-        elif self._header is not None:
-            key = headers.get(self._header)
+        name = self._key_header
+        if name is not None:
+            key = rec.request.headers.get(name)
+        elif self._key_is_api_key:
+            key = bearer_token(rec.request.headers.get("Authorization"))
         else:
             key = None
         # No key (a request without a session id, say): a bucket of its own.
         return bucket(key) if key else random_bucket()
 
     def wants_candidate(self, rec: RequestRecord) -> bool:
-        ro = self.rollout
-        return ro.routing and ro.arm(self.bucket_of(rec), rec.priority) == "candidate"
+        cut = self.rollout.cut(rec.priority)
+        return cut > 0.0 and self.bucket_of(rec) < cut
 
     def maybe_mirror(self, rec: RequestRecord, cand: Upstream) -> None:
         """The mirror state: a share of live requests is copied to the
