@@ -168,7 +168,12 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def brownout_policy(
-    tmp: Path, upstream: str, name: str, sessions: bool, guard: bool = True
+    tmp: Path,
+    upstream: str,
+    name: str,
+    sessions: bool,
+    guard: bool = True,
+    primary_extra: str = "",
 ) -> Path:
     path = tmp / f"policy-{name}.yaml"
     store = (
@@ -187,7 +192,7 @@ backends:
   primary:
     url: {upstream}
     health: {{interval_s: 5}}
-ladder:
+{primary_extra}ladder:
   throttle: {{max_inflight: 4096, queue_size: 4096, scrape_interval_s: 0}}
 guard:
   enabled: {"true" if guard else "false"}
