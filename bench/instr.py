@@ -13,8 +13,8 @@ the whole process (every thread) included.
 
 `--kind usage` serves the 16-chunk stream with vLLM's usage chunk (what
 Brownout's `stream_options.include_usage` asks for); `--usage-off-too`
-measures each tree a second time with `backends.primary.stream_usage: false`
-(trees that know the knob: token telemetry on vs off in one run).
+measures each tree that knows the knob a second time with
+`backends.primary.stream_usage: false` (token telemetry on vs off in one run).
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ def measure(p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int)
     return int(m.group(1)) / n
 
 
+def knows_stream_usage(tree: Path) -> bool:
+    """Whether a tree's policy has `backends.<name>.stream_usage` (issue 23)."""
+    return "stream_usage" in (tree / "proxy" / "policy" / "backends.py").read_text()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="*", type=Path)
@@ -118,7 +123,12 @@ def main() -> int:
         variants = [("", "")]
         if args.usage_off_too:
             variants.append((" (stream_usage off)", "    stream_usage: false\n"))
-        runs = [(tree.resolve(), label, extra) for tree in args.trees for label, extra in variants]
+        runs = [
+            (tree.resolve(), label, extra)
+            for tree in args.trees
+            for label, extra in variants
+            if not extra or knows_stream_usage(tree)
+        ]
         for i, (tree, label, extra) in enumerate(runs):
             port = free_port()
             pol = brownout_policy(tmp, upstream, f"instr{i}", sessions=False, primary_extra=extra)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from proxy.openai.sse import DONE_EVENT
+from proxy.policy import load_policy
 from proxy.runtime.keys import STATE
 from tests.integration.conftest import FakeUpstream, ProxyFactory, RunningProxy
 from tests.integration.test_pipeline import (
@@ -334,3 +336,31 @@ async def test_build_info_names_the_policy_in_force(
     assert labels["version"] == st["version"]
     assert labels["python"].count(".") == 2
     assert total(m, "process_resident_memory_bytes") > 0
+
+
+async def test_build_info_follows_a_reload(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """A replica that took the edit shows its new hash; a rejected edit
+    leaves the old one (which is how an SRE tells the replicas apart)."""
+    path = tmp_path / "policy.yaml"
+    base = f"server:\n  admin_token: s3cret\nbackends:\n  primary:\n    url: {fake_upstream.url}\n"
+    path.write_text(base)
+    proxy = await start_proxy(load_policy(path))
+    admin = {"Authorization": "Bearer s3cret"}
+
+    async def build_hash() -> str:
+        m = await metrics(proxy)
+        [labels] = [dict(k[1]) for k in m if k[0] == "brownout_build_info"]
+        return labels["policy_hash"]
+
+    first = await build_hash()
+    path.write_text(base + "    timeouts: {idle_s: 45}\n")
+    async with proxy.session.post(proxy.url + "/brownout/reload", headers=admin) as r:
+        assert (await r.json())["ok"] is True
+    second = await build_hash()
+    assert second != first
+    path.write_text(base + "    timeouts: {idle_s: -1}\n")
+    async with proxy.session.post(proxy.url + "/brownout/reload", headers=admin) as r:
+        assert r.status == 422
+    assert await build_hash() == second
