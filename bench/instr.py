@@ -12,7 +12,10 @@ counters are zeroed, `--requests` streaming chat requests are sent
 the whole process (every thread) included.
 
 `--kind usage` serves the 16-chunk stream with vLLM's usage chunk (what
-Brownout's `stream_options.include_usage` asks for); `--usage-off-too`
+Brownout's `stream_options.include_usage` asks for); `--kind paced` a
+Python upstream (`bench/paced_upstream.py`) that writes one token every
+`--gap-ms` and, like vLLM, the usage chunk only when asked: each token is a
+read of its own, as from a real engine; `--usage-off-too`
 measures each tree that knows the knob a second time with
 `backends.primary.stream_usage: false` (token telemetry on vs off in one run).
 """
@@ -93,7 +96,8 @@ def main() -> int:
     ap.add_argument("trees", nargs="*", type=Path)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--conc", type=int, default=16)
-    ap.add_argument("--kind", default="short", choices=("short", "long", "usage"))
+    ap.add_argument("--kind", default="short", choices=("short", "long", "usage", "paced"))
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="--kind paced: between tokens")
     ap.add_argument("--extra-path", default="")
     ap.add_argument("--bare", action="store_true", help="measure the bare relay too")
     ap.add_argument("--keep", type=Path, help="copy the callgrind dumps here (callgrind_annotate)")
@@ -106,9 +110,15 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="brownout-instr-"))
     procs: list[subprocess.Popen[bytes]] = []
     up_port = free_port()
-    procs.append(start_static_upstream(tmp, up_port))
+    if args.kind == "paced":
+        script = str(ROOT / "bench" / "paced_upstream.py")
+        gap = f"--gap-ms={args.gap_ms}"
+        procs.append(subprocess.Popen([sys.executable, script, str(up_port), gap]))
+        upstream = f"http://127.0.0.1:{up_port}"
+    else:
+        procs.append(start_static_upstream(tmp, up_port))
+        upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
     wait_port(up_port)
-    upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
     results: list[tuple[str, float]] = []
     try:
         if args.bare:

@@ -8,24 +8,28 @@ empty `choices` list. Brownout asks a backend for it on every stream
 that one chunk before the client sees it: the client's bytes are those it
 would have got without the question.
 
-On the relay's hot path nothing here parses JSON per chunk: the usage chunk
-is recognised by where it is (the region's last event, or the one before a
+On the relay's hot path nothing here parses JSON: the usage chunk is
+recognised by where it is (the region's last event, or the one before a
 trailing `[DONE]`) and how it ends (`}}`: the `usage` object closes the
 chunk in vLLM's and the fallback server's layout, while a content chunk
-ends with its `choices` list, `]}`), two `endswith` tests per region; only
-that one event is then decoded, once per stream.
+ends with its `choices` list, `]}`) — one byte read per region; then, once
+per stream, a few bounded byte searches find it and two small regexes read
+its counts.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Final, Literal, NamedTuple
 
 from proxy.openai.sse import DONE_EVENT
 
-# The two ways a region can end when its usage chunk is there.
-USAGE_TAILS: Final = (b"}}\n\n", DONE_EVENT)
-_EMPTY_CHOICES: Final = (b'"choices":[]', b'"choices": []')
+# An empty choices list followed by the usage object: compact, and as
+# Python's json.dumps spaces it.
+_MARKERS: Final = (b'"choices":[],"usage":{', b'"choices": [], "usage": {')
+_PROMPT: Final = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_COMPLETION: Final = re.compile(rb'"completion_tokens":\s*(\d+)')
 _ASK: Final = b',"stream_options":{"include_usage":true}'
 
 _DECODER: Final = json.JSONDecoder()
@@ -67,32 +71,35 @@ def ask_for_usage(payload: bytes, body: dict[str, Any]) -> bytes:
     return json.dumps({**body, "stream_options": merged}).encode()
 
 
-def usage_span(region: bytes) -> tuple[int, int] | None:
-    """Where the usage chunk is in `region` (whole events, LF line ends):
-    its last event, or the one before a trailing `[DONE]`, when that event
-    has an empty `choices` list and a `usage` key. Call it only when
-    `region.endswith(USAGE_TAILS)`."""
+def find_usage(region: bytes) -> tuple[int, int, Usage | None] | None:
+    """The usage chunk of `region` (whole events, LF line ends): its span and
+    counts, when its last event — or the one before a trailing `[DONE]` — is
+    a one-line `data:` event whose empty `choices` list is followed by its
+    `usage` object (vLLM's, the fallback server's and OpenAI's layout). The
+    relay calls it only for a region whose fourth byte from the end is `}`
+    or `E` (the ends of `}}\n\n` and `[DONE]\n\n`). Byte searches bounded to
+    that event, two small regexes for the counts; no copy, no JSON."""
     end = len(region)
     if region.endswith(DONE_EVENT):
         end -= len(DONE_EVENT)
-        if end < 2 or region[end - 2 : end] != b"\n\n":
+    at = region.rfind(_MARKERS[0], 0, end)
+    if at < 0:
+        at = region.rfind(_MARKERS[1], 0, end)
+        if at < 0:
             return None
-    before = region.rfind(b"\n\n", 0, end - 2)
-    start = before + 2 if before >= 0 else 0
+    # In the last event before `end`: no line end between the marker and it
+    # (a JSON payload holds no raw newline), and that line is the whole event.
+    if end < 2 or region.find(b"\n", at, end - 2) >= 0 or region[end - 2 : end] != b"\n\n":
+        return None
+    start = region.rfind(b"\n", 0, at) + 1
+    if start and (start < 2 or region[start - 2] != 0x0A):
+        return None  # not the event's first line (another field came before it)
     if not region.startswith(b"data:", start):
         return None
-    event = region[start:end]
-    if not event.endswith(b"}}\n\n") or b'"usage"' not in event:
-        return None
-    if _EMPTY_CHOICES[0] not in event and _EMPTY_CHOICES[1] not in event:
-        return None
-    return start, end
-
-
-def parse_usage_event(event: bytes) -> Usage | None:
-    """The counts of a usage chunk (`data: {...}`), or None if it has none
-    (its `usage` object decoded alone: half the cost of the whole chunk)."""
-    return usage_of_body(event)
+    p = _PROMPT.search(region, at, end)
+    c = _COMPLETION.search(region, at, end)
+    usage = Usage(int(p[1]), int(c[1])) if p is not None and c is not None else None
+    return start, end, usage
 
 
 def usage_of_body(body: bytes) -> Usage | None:

@@ -6,7 +6,7 @@ callbacks that re-arm themselves only when they fire
 `find` in the common case), a few byte checks and a write.
 
 Token telemetry rides along at a few operations per region, no JSON: the
-usage chunk is recognised by two `endswith` tests (`proxy.openai.usage`),
+usage chunk is recognised by one byte test (`proxy.openai.usage`),
 decoded once, and removed when Brownout asked for it on its own behalf; the
 time between content events goes to `brownout_inter_token_seconds` as one
 bucket increment per region (a region of k events that arrived g seconds
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -46,7 +47,7 @@ from proxy.openai.sse import (
     error_payload,
     json_event,
 )
-from proxy.openai.usage import USAGE_TAILS, Usage, parse_usage_event, usage_span
+from proxy.openai.usage import Usage, find_usage
 from proxy.pipeline.streamtimers import Pump
 from proxy.telemetry.metrics import Buckets
 
@@ -138,6 +139,10 @@ async def relay_stream(
     kept = result.regions
     kept_bytes = 0
     content = upstream.content
+    # Inter-token latency, inline (a method call per region would cost more
+    # than the bucket increment itself); its sum is added once, at the end.
+    itl_counts, itl_bounds = (itl.counts, itl.bounds) if itl is not None else ([], ())
+    itl_sum = 0.0
     try:
         # ---- until the first event: failures can still be HTTP errors.
         region = b""
@@ -196,11 +201,16 @@ async def relay_stream(
         last_at = result.first_event_at  # the previous region's arrival (ITL)
         while True:
             in_usage = 0  # the usage chunk is one of this region's events
-            if region.endswith(USAGE_TAILS):
-                span = usage_span(region)
-                if span is not None:
-                    start, end = span
-                    result.usage = parse_usage_event(region[start:end])
+            # A usage chunk ends "}}\n\n", a region with [DONE] "E]\n\n": one
+            # byte read per region (`find_usage` then checks for real).
+            try:
+                tail = region[-4]
+            except IndexError:
+                tail = 0
+            if tail == 125 or tail == 69:
+                found = find_usage(region)
+                if found is not None:
+                    start, end, result.usage = found
                     if strip_usage:
                         region = region[:start] + region[end:]
                     else:
@@ -233,10 +243,13 @@ async def relay_stream(
             result.events += events
             if itl is not None:
                 now = pump.last_activity
-                # Content events only: not [DONE], not the usage chunk.
+                # Content events only: not [DONE], not the usage chunk; k of
+                # them g seconds after the previous read: k gaps of g/k.
                 n = events - in_usage - (done_at >= 0)
                 if n > 0 and now > last_at:
-                    itl.add(now - last_at, n)
+                    gap = now - last_at
+                    itl_counts[bisect_left(itl_bounds, gap / n)] += n
+                    itl_sum += gap
                 last_at = now
             if err_at >= 0:
                 # Forward what came before the error; the caller decides how
@@ -318,6 +331,8 @@ async def relay_stream(
         return result
     finally:
         pump.stop()
+        if itl is not None:
+            itl.sum += itl_sum
 
 
 async def end_with_error(result: StreamResult) -> None:

@@ -121,6 +121,32 @@ class HistogramFamily(Collector):
         yield fam
 
 
+class CounterFamily(Collector):
+    """Counters by a fixed label set without prometheus-client's per-increment
+    lock and checks: a one-element list per child, added to on the event
+    loop, read at scrape time (`<name>_total`). For what is counted per
+    request with several labels (tokens)."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.children: dict[tuple[str, ...], list[float]] = {}
+
+    def child(self, values: tuple[str, ...]) -> list[float]:
+        c = self.children.get(values)
+        if c is None:
+            c = self.children[values] = [0.0]
+        return c
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+        for values, c in sorted(self.children.items()):
+            fam.add_metric(list(values), c[0])
+        yield fam
+
+
 def _le(bound: float) -> str:
     return repr(float(bound))
 
@@ -467,21 +493,21 @@ class Metrics:
             registry=r,
         )
         # -- tokens (from the answers' `usage`) and decode speed -----------------
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = CounterFamily(
             "brownout_prompt_tokens",
             "Prompt tokens of answered requests, as the backend's `usage` counted them, by "
             "backend, model and tier (a rescued stream's continuation counts the partial "
             "answer it was given as prompt, on the fallback).",
-            ["backend", "model", "tier"],
-            registry=r,
+            ("backend", "model", "tier"),
         )
-        self.completion_tokens = Counter(
+        r.register(self.prompt_tokens)
+        self.completion_tokens = CounterFamily(
             "brownout_completion_tokens",
             "Completion tokens of answered requests, as the backend's `usage` counted them, by "
             "backend, model and tier.",
-            ["backend", "model", "tier"],
-            registry=r,
+            ("backend", "model", "tier"),
         )
+        r.register(self.completion_tokens)
         self.inter_token = HistogramFamily(
             "brownout_inter_token_seconds",
             "Time between a stream's content events as they reached the proxy, by backend "
@@ -516,7 +542,7 @@ class Metrics:
         r.register(_LogDrops())
         # CPU, memory, open files, start time of this process (`process_*`).
         ProcessCollector(registry=r)
-        self._token_children: dict[tuple[str, str, str], tuple[Counter, Counter]] = {}
+        self._token_children: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
         self._models: dict[str, set[str]] = {}
 
     def for_backend(self, name: str) -> BackendMetrics:
@@ -541,12 +567,12 @@ class Metrics:
                 else:
                     seen.add(model)
             pair = (
-                self.prompt_tokens.labels(backend, model, tier),
-                self.completion_tokens.labels(backend, model, tier),
+                self.prompt_tokens.child((backend, model, tier)),
+                self.completion_tokens.child((backend, model, tier)),
             )
             self._token_children[key] = pair
-        pair[0].inc(prompt)
-        pair[1].inc(completion)
+        pair[0][0] += prompt
+        pair[1][0] += completion
 
     def set_policy_hash(self, digest: str) -> None:
         self.build_info.info(build_labels(digest))

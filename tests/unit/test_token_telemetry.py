@@ -16,13 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.control.pressure import parse_vllm_metrics
 from proxy.openai.sse import DONE_EVENT
 from proxy.openai.usage import (
-    USAGE_TAILS,
     Usage,
     ask_for_usage,
-    parse_usage_event,
+    find_usage,
     usage_of_body,
     usage_plan,
-    usage_span,
 )
 from proxy.policy import parse_policy, policy_hash
 from proxy.telemetry.metrics import MAX_MODEL_LABELS, Metrics
@@ -56,10 +54,12 @@ USAGE = event(
 
 
 def found(region: bytes) -> bytes | None:
-    if not region.endswith(USAGE_TAILS):
+    """What the relay strips: it looks only at regions whose fourth byte from
+    the end is `}` or `E` (`}}\n\n`, `[DONE]\n\n`)."""
+    if region[-4:-3] not in (b"}", b"E"):
         return None
-    span = usage_span(region)
-    return None if span is None else region[span[0] : span[1]]
+    got = find_usage(region)
+    return None if got is None else region[got[0] : got[1]]
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,8 @@ def found(region: bytes) -> bytes | None:
 )
 def test_the_usage_chunk_is_found_at_the_end_or_before_done(region: bytes) -> None:
     assert found(region) == USAGE
-    assert parse_usage_event(USAGE) == Usage(9, 3)
+    got = find_usage(region)
+    assert got is not None and got[2] == Usage(9, 3)
 
 
 def test_spaced_json_usage_chunk_is_found_too() -> None:
@@ -97,6 +98,10 @@ def test_spaced_json_usage_chunk_is_found_too() -> None:
         event({"choices": [{"delta": {"content": '"choices":[] "usage"'}}], "u": {"v": 1}}),
         b": comment}}\n\n",
         content("a") + b"\n" + DONE_EVENT,
+        # another field before the data line: not stripped as one line
+        b"id: 7\n" + USAGE,
+        # usage before choices: not the layout recognised
+        event({"usage": {"prompt_tokens": 1, "completion_tokens": 1}, "choices": []}),
     ],
 )
 def test_other_regions_hold_no_usage_chunk(region: bytes) -> None:
@@ -104,15 +109,18 @@ def test_other_regions_hold_no_usage_chunk(region: bytes) -> None:
 
 
 def test_a_usage_chunk_without_counts_reads_as_none() -> None:
-    for usage in (None, {}, {"prompt_tokens": "9", "completion_tokens": 1}):
-        assert parse_usage_event(event({"choices": [], "usage": usage})) is None
-    assert (
-        parse_usage_event(event({"usage": {"prompt_tokens": True, "completion_tokens": 1}})) is None
-    )
-    assert (
-        parse_usage_event(event({"usage": {"prompt_tokens": -1, "completion_tokens": 1}})) is None
-    )
-    assert parse_usage_event(b"data: {not json}}\n\n") is None
+    for usage in (
+        {},
+        {"prompt_tokens": "9", "completion_tokens": 1},
+        {"prompt_tokens": True, "completion_tokens": 1},
+        {"prompt_tokens": -1, "completion_tokens": 1},
+        {"prompt_tokens_details": {"cached_tokens": 1}, "completion_tokens": 1},
+    ):
+        got = find_usage(event({"choices": [], "usage": usage}))
+        assert got is not None and got[2] is None, usage
+    nested = {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}
+    got = find_usage(event({"choices": [], "usage": {**nested, "completion_tokens": 2}}))
+    assert got is not None and got[2] == Usage(7, 2)
 
 
 def test_usage_plan() -> None:
