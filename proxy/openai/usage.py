@@ -74,28 +74,25 @@ def ask_for_usage(payload: bytes, body: dict[str, Any]) -> bytes:
 def find_usage(region: bytes) -> tuple[int, int, Usage | None] | None:
     """The usage chunk of `region` (whole events, LF line ends): its span and
     counts, when its last event — or the one before a trailing `[DONE]` — is
-    a one-line `data:` event whose empty `choices` list is followed by its
-    `usage` object (vLLM's, the fallback server's and OpenAI's layout). The
+    a `data:` event whose empty `choices` list is followed by its `usage`
+    object (vLLM's, the fallback server's and OpenAI's layout). The
     relay calls it only for a region whose fourth byte from the end is `}`
     or `E` (the ends of `}}\n\n` and `[DONE]\n\n`). Byte searches bounded to
     that event, two small regexes for the counts; no copy, no JSON."""
     end = len(region)
     if region.endswith(DONE_EVENT):
         end -= len(DONE_EVENT)
-    at = region.rfind(_MARKERS[0], 0, end)
-    if at < 0:
-        at = region.rfind(_MARKERS[1], 0, end)
-        if at < 0:
-            return None
-    # In the last event before `end`: no line end between the marker and it
-    # (a JSON payload holds no raw newline), and that line is the whole event.
-    if end < 2 or region.find(b"\n", at, end - 2) >= 0 or region[end - 2 : end] != b"\n\n":
+    if not region.endswith(b"\n\n", 0, end):
         return None
-    start = region.rfind(b"\n", 0, at) + 1
-    if start and (start < 2 or region[start - 2] != 0x0A):
-        return None  # not the event's first line (another field came before it)
+    before = region.rfind(b"\n\n", 0, end - 2)
+    start = before + 2 if before >= 0 else 0
     if not region.startswith(b"data:", start):
         return None
+    at = region.find(_MARKERS[0], start, end)
+    if at < 0:
+        at = region.find(_MARKERS[1], start, end)
+        if at < 0:
+            return None
     p = _PROMPT.search(region, at, end)
     c = _COMPLETION.search(region, at, end)
     usage = Usage(int(p[1]), int(c[1])) if p is not None and c is not None else None
