@@ -1,7 +1,7 @@
 """Instructions per request of Brownout builds, under valgrind's callgrind.
 
     .venv/bin/python bench/instr.py TREE [TREE ...] [--requests 1000] [--conc 16]
-        [--kind short] [--extra-path DIR] [--bare]
+        [--kind short|long|usage] [--extra-path DIR] [--bare] [--usage-off-too]
 
 A count of executed instructions does not move with the other work on a
 shared machine, which the requests/s and CPU-time figures of `bench/ab.py`
@@ -10,6 +10,14 @@ under callgrind on `bench/run.py`'s upstream and policy; after a warm-up the
 counters are zeroed, `--requests` streaming chat requests are sent
 (`--conc` at a time), and the counters are dumped: instructions / request,
 the whole process (every thread) included.
+
+`--kind usage` serves the 16-chunk stream with vLLM's usage chunk (what
+Brownout's `stream_options.include_usage` asks for); `--kind paced` a
+Python upstream (`bench/paced_upstream.py`) that writes one token every
+`--gap-ms` and, like vLLM, the usage chunk only when asked: each token is a
+read of its own, as from a real engine; `--usage-off-too`
+measures each tree that knows the knob a second time with
+`backends.primary.stream_usage: false` (token telemetry on vs off in one run).
 """
 
 from __future__ import annotations
@@ -83,22 +91,39 @@ def measure(
     return int(m.group(1)) / n
 
 
+def knows_stream_usage(tree: Path) -> bool:
+    """Whether a tree's policy has `backends.<name>.stream_usage` (issue 23)."""
+    return "stream_usage" in (tree / "proxy" / "policy" / "backends.py").read_text()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="*", type=Path)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--conc", type=int, default=16)
-    ap.add_argument("--kind", default="short", choices=("short", "long"))
+    ap.add_argument("--kind", default="short", choices=("short", "long", "usage", "paced"))
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="--kind paced: between tokens")
     ap.add_argument("--extra-path", default="")
     ap.add_argument("--bare", action="store_true", help="measure the bare relay too")
     ap.add_argument("--keep", type=Path, help="copy the callgrind dumps here (callgrind_annotate)")
+    ap.add_argument(
+        "--usage-off-too",
+        action="store_true",
+        help="each tree again with backends.primary.stream_usage: false",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="brownout-instr-"))
     procs: list[subprocess.Popen[bytes]] = []
     up_port = free_port()
-    procs.append(start_static_upstream(tmp, up_port))
+    if args.kind == "paced":
+        script = str(ROOT / "bench" / "paced_upstream.py")
+        gap = f"--gap-ms={args.gap_ms}"
+        procs.append(subprocess.Popen([sys.executable, script, str(up_port), gap]))
+        upstream = f"http://127.0.0.1:{up_port}"
+    else:
+        procs.append(start_static_upstream(tmp, up_port))
+        upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
     wait_port(up_port)
-    upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
     results: list[tuple[str, float]] = []
     try:
         if args.bare:
@@ -110,16 +135,25 @@ def main() -> int:
             results.append(("bare aiohttp", measure(p, port, out, args.requests, args.conc)))
             print(f"bare aiohttp: {results[-1][1]:,.0f} instructions / request", flush=True)
             stop([p])
-        for i, tree in enumerate(args.trees):
-            tree = tree.resolve()
+        variants = [("", "")]
+        if args.usage_off_too:
+            variants.append((" (stream_usage off)", "    stream_usage: false\n"))
+        runs = [
+            (tree.resolve(), label, extra)
+            for tree in args.trees
+            for label, extra in variants
+            if not extra or knows_stream_usage(tree)
+        ]
+        for i, (tree, label, extra) in enumerate(runs):
             port = free_port()
-            pol = brownout_policy(tmp, upstream, f"instr{i}", sessions=False)
+            pol = brownout_policy(tmp, upstream, f"instr{i}", sessions=False, primary_extra=extra)
             out = tmp / f"cg-{i}"
             pp = os.pathsep.join(filter(None, [str(tree), args.extra_path]))
             p = callgrind(out, serve_cmd(pol, port), tree, {**os.environ, "PYTHONPATH": pp})
             procs.append(p)
-            results.append((str(tree), measure(p, port, out, args.requests, args.conc)))
-            print(f"{tree}: {results[-1][1]:,.0f} instructions / request", flush=True)
+            name = f"{tree}{label}"
+            results.append((name, measure(p, port, out, args.requests, args.conc)))
+            print(f"{name}: {results[-1][1]:,.0f} instructions / request", flush=True)
             stop([p])
     finally:
         stop(procs)

@@ -173,6 +173,7 @@ def brownout_policy(
     name: str,
     sessions: bool,
     guard: bool = True,
+    primary_extra: str = "",
     *,
     candidate: str | None = None,
     extra: str = "",
@@ -201,7 +202,7 @@ backends:
   primary:
     url: {upstream}
     health: {{interval_s: 5}}
-{cand}ladder:
+{primary_extra}{cand}ladder:
   throttle: {{max_inflight: 4096, queue_size: 4096, scrape_interval_s: 0}}
 guard:
   enabled: {"true" if guard else "false"}

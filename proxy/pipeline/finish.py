@@ -25,6 +25,7 @@ def terminal_of(result: AttemptResult) -> Terminal:
         events=result.events,
         stream_error=result.outcome if result.delivered and result.kind == "ended" else "",
         bad_request=result.code if result.kind == "refused" else "",
+        tokens=result.tokens,
     )
 
 
@@ -46,6 +47,14 @@ def finish(rec: RequestRecord, term: Terminal) -> None:
         m.stream_errors.labels(term.backend, term.stream_error).inc()
     if term.bad_request:
         m.bad_requests.labels(term.bad_request).inc()
+    if term.tokens:
+        tier = rt.tier
+        for t in term.tokens:
+            m.count_tokens(t.backend, t.model, tier, t.prompt, t.completion)
+            if t.tpot is not None:
+                tb = rt.backend_metrics.get(t.backend)
+                if tb is not None:
+                    tb.per_output_token.observe(t.tpot)
     canary = rt.canary
     if canary is not None and canary.rollout.state in RUNNING:
         canary.finished(rec, term, elapsed)  # the gates' sample (a rollout runs)

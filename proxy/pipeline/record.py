@@ -36,6 +36,17 @@ AttemptKind = Literal[
 ]
 
 
+class TokenCount(NamedTuple):
+    """One answer's token usage on one backend (a rescued stream has two)."""
+
+    backend: str
+    model: str
+    prompt: int
+    completion: int
+    # Streams: seconds per output token after the first (its decode speed).
+    tpot: float | None = None
+
+
 class AttemptResult(NamedTuple):
     """Immutable (a NamedTuple: built in well under a microsecond, on the hot path)."""
 
@@ -65,6 +76,7 @@ class AttemptResult(NamedTuple):
     # (http_500, http_429, reset, ...); "" = fail over at once (timeouts, ...).
     retry: str = ""
     retry_after: float | None = None  # the backend's Retry-After, seconds
+    tokens: tuple[TokenCount, ...] = ()  # the answer's usage, per backend that answered
 
 
 class Terminal(NamedTuple):
@@ -79,6 +91,7 @@ class Terminal(NamedTuple):
     events: int | None = None
     stream_error: str = ""  # a started stream ended with this in-band error
     bad_request: str = ""  # the request's own fault, by code
+    tokens: tuple[TokenCount, ...] = ()  # usage reported by the backends that answered
 
 
 @dataclass(slots=True)
@@ -130,6 +143,12 @@ class RequestRecord:
     @property
     def chat(self) -> bool:
         return self.endpoint == "chat"
+
+    def model_for(self, backend: str) -> str:
+        """The `model` this request named to `backend` (after the policy's
+        rewrite): the token counters' label."""
+        m = self.adapted.get(backend, self.body).get("model")
+        return m if isinstance(m, str) else ""
 
     @property
     def model(self) -> str | None:

@@ -24,7 +24,14 @@ from proxy.policy.backends import (
     ProbePolicy,
     TimeoutPolicy,
 )
-from proxy.policy.diff import flatten, policy_diff, redact, redact_url, split_restart
+from proxy.policy.diff import (
+    flatten,
+    policy_diff,
+    policy_hash,
+    redact,
+    redact_url,
+    split_restart,
+)
 from proxy.policy.faq import FaqEntry, FaqFile, FaqPolicy
 from proxy.policy.guard import (
     Action,
@@ -104,6 +111,7 @@ __all__ = [
     "parse_key_priority",
     "parse_policy",
     "policy_diff",
+    "policy_hash",
     "redact",
     "redact_url",
     "split_restart",

@@ -389,6 +389,7 @@ class ProxyState:
         body = self.current.status()
         body["policy"] = {
             "source": self.current.policy.source,
+            "hash": self.current.policy_hash,  # = brownout_build_info{policy_hash}
             "loaded_at": round(self.loaded_at, 3),
             "last_reload": self.last_reload,
             "generations_live": len(self.live),
