@@ -65,7 +65,8 @@ unit: setup
 	$(VENV)/bin/pytest -q tests/unit
 
 # Benchmarks against nginx, a bare aiohttp relay and LiteLLM (needs wrk; the
-# LiteLLM proxy lives in its own cached venv). Writes bench/results/latest.md.
+# LiteLLM proxy lives in its own cached venv; valgrind for the instruction
+# counts). Writes bench/results/latest.md, overhead.md, guard.md and rollout-cost.md.
 LITELLM_VENV ?= $(HOME)/.cache/brownout/litellm-venv
 litellm-venv:
 	test -x $(LITELLM_VENV)/bin/python || ( $(PYTHON) -m venv $(LITELLM_VENV).tmp && \
@@ -74,11 +75,13 @@ litellm-venv:
 
 bench: setup vllm-venv litellm-venv
 	command -v wrk >/dev/null || apt-get install -y -q wrk
+	command -v valgrind >/dev/null || apt-get install -y -q valgrind
 	$(PY) -m pip install -q matplotlib
 	$(PY) bench/run.py
 	$(PY) bench/overhead.py
 	$(PY) bench/guard_ab.py
 	$(PY) bench/guard_bench.py
+	$(PY) bench/rollout_ab.py
 
 # Coverage-guided fuzzing of the request and SSE parsers and the guard.
 FUZZ_SECONDS ?= 120

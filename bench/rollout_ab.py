@@ -19,7 +19,7 @@ requests of the proxy process is the steadier figure on a shared machine.
 Then instructions per request under valgrind's callgrind (`bench/instr.py`'s
 method), which do not move with the machine's other work.
 
-    .venv/bin/python bench/rollout_ab.py [--rounds 10] [--duration 3] [--conc 16]
+    .venv/bin/python bench/rollout_ab.py [--rounds 12] [--duration 3] [--conc 16]
         [--kinds short,long] [--instr-kinds short,long] [--requests 1000]
         [--tree DIR ...] [--quick]
 
@@ -196,6 +196,7 @@ class Instr:
     raw: float  # instructions / request, everything the process did during the load
     background: float  # instructions / s with no load (timers: health probes, gates' window)
     per_request: float  # raw less the background over the load's duration
+    requests: int
 
 
 def measure_instr(
@@ -209,7 +210,8 @@ def measure_instr(
     left) and taken out at their mean rate."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     wait_port(port, 600)
-    asyncio.run(load(url, 200, conc, sticky=True))  # warm-up: connections, caches, imports
+    # Warm-up: connections, caches, lazy imports.
+    asyncio.run(load(url, min(200, n // 2), conc, sticky=True))
 
     def quiet() -> float:
         _ctl(p, "-z")
@@ -248,7 +250,7 @@ def instructions(
             finally:
                 stop([p])
             name = "this tree" if tree == ROOT else tree.name
-            out.append(Instr(name, v, raw, bg, per))
+            out.append(Instr(name, v, raw, bg, per, n))
             print(
                 f"{kind:5} {name} {v:5}: {per:,.0f} instructions / request "
                 f"(raw {raw:,.0f}; background {bg:,.0f} / s)",
@@ -372,7 +374,7 @@ def report(
     for kind, rows in instr.items():
         lines += [
             f"## Instructions per request ({kind}: {CHUNKS[kind]} chunks; callgrind, "
-            f"{args.requests} requests, {args.conc_instr} at a time)",
+            f"{rows[0].requests} requests, {args.conc_instr} at a time)",
             "",
             "Per request: what the load cost, less the timer-driven work (measured with no "
             f"load for {args.idle_s:g} s before and after, taken out at its mean rate; under "
@@ -402,19 +404,26 @@ def report(
         *(f"| {t} | {ms:.2f} | {ms / 10:.2f} % |" for t, ms in args.window_ms.items()),
         "",
     ]
+    lines += [
+        "What each optimisation of the routing path bought (instructions per call, "
+        "per change): `rollout-cost-changes.md`.",
+        "",
+    ]
     return "\n".join(lines), ok
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--conc", type=int, default=16)
     ap.add_argument("--kinds", default="short,long", help="throughput runs ('' for none)")
     ap.add_argument("--instr-kinds", default="short,long", help="callgrind runs ('' for none)")
-    ap.add_argument("--requests", type=int, default=1000, help="per callgrind measurement")
+    ap.add_argument(
+        "--requests", type=int, default=1000, help="per callgrind measurement (long: a tenth)"
+    )
     ap.add_argument("--conc-instr", type=int, default=16)
-    ap.add_argument("--idle-s", type=float, default=10.0, help="no-load span under callgrind")
+    ap.add_argument("--idle-s", type=float, default=8.0, help="no-load span under callgrind")
     ap.add_argument("--tree", type=Path, action="append", default=[], help="another checkout")
     ap.add_argument("--quick", action="store_true", help="4 rounds of 2 s, 300 requests")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollout-cost.md")
@@ -445,9 +454,8 @@ def main() -> int:
         for kind in kinds:
             results.append(throughput(tmp, up, kind, args.rounds, args.duration, args.conc))
         for kind in instr_kinds:
-            instr[kind] = instructions(
-                tmp, up, kind, args.requests, args.conc_instr, trees, args.idle_s
-            )
+            n = args.requests if kind == "short" else max(50, args.requests // 10)
+            instr[kind] = instructions(tmp, up, kind, n, args.conc_instr, trees, args.idle_s)
     finally:
         stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
