@@ -5,13 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Install stamps, keyed on pyproject.toml: `make run` installs what running
 # needs (the proxy, the fallback server, the tiny model: `.[fallback]`);
-# `make test` adds the test and lint tools on top (`.[fallback,test]`).
+# `make test` adds the test and lint tools and the optional OpenTelemetry
+# exporter on top (`.[fallback,test,otel]`).
 PYPROJECT_HASH := $(shell cat pyproject.toml | md5sum | cut -c1-8)
 RUN_STAMP := $(VENV)/.installed-run-$(PYPROJECT_HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(PYPROJECT_HASH)
 PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q
 
-.PHONY: setup setup-run run test lint typecheck unit vllm-venv bench chaos fuzz litellm-venv clean
+.PHONY: setup setup-run run test lint typecheck unit vllm-venv crd-check bench chaos fuzz litellm-venv clean
 
 setup: $(TEST_STAMP)
 setup-run: $(RUN_STAMP)
@@ -28,8 +29,8 @@ $(RUN_STAMP): pyproject.toml
 	@touch $@
 
 $(TEST_STAMP): $(RUN_STAMP)
-	@echo "== installing the test and lint tools into $(VENV)"
-	@$(PIP) -e '.[fallback,test]'
+	@echo "== installing the test and lint tools and the otel extra into $(VENV)"
+	@$(PIP) -e '.[fallback,test,otel]'
 	@touch $@
 
 # The proxy on :8080 in front of the fallback server on the tiny model (:8001);
@@ -41,21 +42,31 @@ run: setup-run
 vllm-venv:
 	scripts/ensure-vllm-venv.sh
 
+# The Prometheus Operator API check of deploy/k8s's monitoring objects
+# (tests/deploy/crd, Node.js): its npm packages, as locked.
+CRD_CHECK := tests/deploy/crd
+$(CRD_CHECK)/node_modules/.installed: $(CRD_CHECK)/package.json $(CRD_CHECK)/package-lock.json
+	cd $(CRD_CHECK) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+crd-check: $(CRD_CHECK)/node_modules/.installed
+
 lint:
-	$(VENV)/bin/ruff check proxy tests bench fuzz
-	$(VENV)/bin/ruff format --check proxy tests bench fuzz
+	$(VENV)/bin/ruff check proxy tests bench fuzz scripts
+	$(VENV)/bin/ruff format --check proxy tests bench fuzz scripts
 
 typecheck:
 	$(VENV)/bin/mypy
 
-test: setup vllm-venv lint typecheck
+test: setup vllm-venv crd-check lint typecheck
 	$(VENV)/bin/pytest -q
 
 unit: setup
 	$(VENV)/bin/pytest -q tests/unit
 
 # Benchmarks against nginx, a bare aiohttp relay and LiteLLM (needs wrk; the
-# LiteLLM proxy lives in its own cached venv). Writes bench/results/latest.md.
+# LiteLLM proxy lives in its own cached venv; valgrind for the instruction
+# counts). Writes bench/results/latest.md, overhead.md, guard.md and rollout-cost.md.
 LITELLM_VENV ?= $(HOME)/.cache/brownout/litellm-venv
 litellm-venv:
 	test -x $(LITELLM_VENV)/bin/python || ( $(PYTHON) -m venv $(LITELLM_VENV).tmp && \
@@ -64,6 +75,7 @@ litellm-venv:
 
 bench: setup vllm-venv litellm-venv
 	command -v wrk >/dev/null || apt-get install -y -q wrk
+	command -v valgrind >/dev/null || apt-get install -y -q valgrind
 	$(PY) -m pip install -q matplotlib
 	$(PY) bench/run.py
 	$(PY) bench/overhead.py
@@ -72,6 +84,7 @@ bench: setup vllm-venv litellm-venv
 	$(PY) bench/replay_speed.py --hours 1 --out bench/results/replay.md
 	if command -v valgrind >/dev/null; then $(PY) bench/instr.py . --recorder \
 	  | tee bench/results/recorder-cost.md; else echo "valgrind missing: recorder cost not measured"; fi
+	$(PY) bench/rollout_ab.py
 
 # Coverage-guided fuzzing of the request and SSE parsers and the guard.
 FUZZ_SECONDS ?= 120
@@ -84,4 +97,4 @@ chaos: setup vllm-venv
 	$(PY) bench/chaos.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache $(CRD_CHECK)/node_modules

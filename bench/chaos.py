@@ -1,4 +1,4 @@
-"""`make chaos`: the eight chaos drills with the issue's durations.
+"""`make chaos`: the nine chaos drills with the issue's durations.
 
 Real vLLM CPU server as primary, the real Transformers fallback server, a
 real Redis for sessions, nginx (nginx/brownout.conf) in front, `brownout
@@ -9,6 +9,7 @@ sessions. Faults, one drill each:
     2 SIGSTOP the vLLM worker for 20 s              6 a 10× overload burst
     3 kill the vLLM API server, restart after 30 s  7 a broken policy pushed by reload
     4 stop Redis for 20 s                           8 a hostile client (issue 20)
+                                                    9 a bad canary (issue 21)
 
 The proxy records (`recorder:`), and each drill's window of the recording
 is replayed under the drill's policy (`brownout replay`): its fidelity is in
@@ -19,7 +20,10 @@ explicit errors, truncated answers presented as success (must be 0), hung
 requests (must be 0), time to detect, time back to normal, tier timeline,
 lost session turns (must be 0); drill 8 also the share of the other clients'
 requests answered normally (goal 100 %), the hostile requests by status and
-error code, and the attribution and breaker counters. Writes
+error code, and the attribution and breaker counters; drill 9 the time from
+the candidate's fault to the rollout's rollback, the requests that saw an
+error (goal 0), what became of those the candidate failed, and the rollback
+bundle. Writes
 bench/results/chaos.md; exits 1 when a drill breaks one of its rules. The
 machinery lives in tests/chaos/ (the short version runs in `make test`).
 
@@ -100,6 +104,9 @@ def setup_text(vllm: VLLMServer, stack: Stack, load_before: str) -> str:
         "the site's own exemption list (`geo $brownout_limit_exempt`), as a frontend "
         "serving many users from one address would be, so nginx's per-address limits "
         "do not mask Brownout's own shedding.\n"
+        "- Drill 9 only: `backends.candidate` is a fault proxy (`tests/chaos/faultproxy.py`, "
+        "its own process) in front of the same vLLM, added with a `rollout:` section by a "
+        "reload (its policy is the one below plus those; the drill's section shows them).\n"
     )
 
 

@@ -30,8 +30,10 @@ def wait_port(port: int, limit_s: float = 30.0) -> None:
     raise RuntimeError(f"nothing listening on {port}")
 
 
-def sse_body(chunks: int) -> bytes:
-    """A vLLM-shaped chat stream: `chunks` content chunks, a finish, [DONE]."""
+def sse_body(chunks: int, usage: bool = False) -> bytes:
+    """A vLLM-shaped chat stream: `chunks` content chunks, a finish, with
+    `usage` vLLM's usage chunk (what `stream_options.include_usage` asks
+    for), [DONE]."""
     out = []
     for i in range(chunks):
         obj = {
@@ -49,6 +51,20 @@ def sse_body(chunks: int) -> bytes:
             ],
         }
         out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+    if usage:
+        obj = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "tiny",
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 20,
+                "total_tokens": 20 + chunks,
+                "completion_tokens": chunks,
+            },
+        }
+        out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
     out.append(b"data: [DONE]\n\n")
     return b"".join(out)
 
@@ -57,10 +73,16 @@ def start_static_upstream(tmp: Path, port: int) -> subprocess.Popen[bytes]:
     """nginx serving prebuilt SSE bodies at /{short,long}/v1/chat/completions
     (POST answered through `error_page 405 =200 $uri`), /health and a slow
     variant (`limit_rate`) for open-stream memory measurements."""
-    for name, chunks in (("short", 16), ("long", 1024), ("slow", 64)):
+    for name, chunks, usage in (
+        ("short", 16, False),
+        ("long", 1024, False),
+        ("slow", 64, False),
+        # What vLLM sends when asked for usage (Brownout asks on every stream).
+        ("usage", 16, True),
+    ):
         d = tmp / "www" / name / "v1" / "chat"
         d.mkdir(parents=True)
-        (d / "completions").write_bytes(sse_body(chunks))
+        (d / "completions").write_bytes(sse_body(chunks, usage))
     conf = tmp / "upstream.conf"
     conf.write_text(
         f"""

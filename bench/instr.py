@@ -1,7 +1,7 @@
 """Instructions per request of Brownout builds, under valgrind's callgrind.
 
     .venv/bin/python bench/instr.py TREE [TREE ...] [--requests 1000] [--conc 16]
-        [--kind short] [--extra-path DIR] [--bare] [--recorder]
+        [--kind short|long|usage] [--extra-path DIR] [--bare] [--usage-off-too] [--recorder]
 
 A count of executed instructions does not move with the other work on a
 shared machine, which the requests/s and CPU-time figures of `bench/ab.py`
@@ -9,8 +9,17 @@ do. Each TREE's `proxy.cli serve` (and, with `--bare`, the bare relay) runs
 under callgrind on `bench/run.py`'s upstream and policy; after a warm-up the
 counters are zeroed, `--requests` streaming chat requests are sent
 (`--conc` at a time), and the counters are dumped: instructions / request,
-the whole process (every thread) included. `--recorder` measures each tree
-with the flight recorder off and on (its writer thread included).
+the whole process (every thread) included.
+
+`--kind usage` serves the 16-chunk stream with vLLM's usage chunk (what
+Brownout's `stream_options.include_usage` asks for); `--kind paced` a
+Python upstream (`bench/paced_upstream.py`) that writes one token every
+`--gap-ms` and, like vLLM, the usage chunk only when asked: each token is a
+read of its own, as from a real engine; `--usage-off-too`
+measures each tree that knows the knob a second time with
+`backends.primary.stream_usage: false` (token telemetry on vs off in one run);
+`--recorder` measures each tree with the flight recorder off and then on
+(its writer thread included).
 """
 
 from __future__ import annotations
@@ -38,7 +47,9 @@ BODY = (
 )
 
 
-async def load(url: str, n: int, conc: int) -> None:
+async def load(url: str, n: int, conc: int, sticky: bool = False) -> None:
+    """`n` streaming chat requests, `conc` at a time; `sticky`: each with a
+    fresh `X-Bench-User` (a rollout's sticky key, as bench/post.lua sends it)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
         left = n
 
@@ -46,9 +57,10 @@ async def load(url: str, n: int, conc: int) -> None:
             nonlocal left
             while left > 0:
                 left -= 1
-                async with s.post(
-                    url, data=BODY, headers={"Content-Type": "application/json"}
-                ) as r:
+                headers = {"Content-Type": "application/json"}
+                if sticky:
+                    headers["X-Bench-User"] = f"user-{left}"
+                async with s.post(url, data=BODY, headers=headers) as r:
                     await r.read()
                     assert r.status == 200, r.status
 
@@ -65,12 +77,14 @@ def callgrind(out: Path, cmd: list[str], cwd: Path, env: dict[str, str]) -> subp
     )
 
 
-def measure(p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int) -> float:
+def measure(
+    p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int, sticky: bool = False
+) -> float:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     wait_port(port, 600)
-    asyncio.run(load(url, 200, conc))  # warm-up: connections, caches, lazy imports
+    asyncio.run(load(url, 200, conc, sticky))  # warm-up: connections, caches, lazy imports
     subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
-    asyncio.run(load(url, n, conc))
+    asyncio.run(load(url, n, conc, sticky))
     subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
     dumps = sorted(glob.glob(f"{out}*"), key=os.path.getmtime)
     text = Path(dumps[-1]).read_text(errors="replace")
@@ -79,15 +93,26 @@ def measure(p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int)
     return int(m.group(1)) / n
 
 
+def knows_stream_usage(tree: Path) -> bool:
+    """Whether a tree's policy has `backends.<name>.stream_usage` (issue 23)."""
+    return "stream_usage" in (tree / "proxy" / "policy" / "backends.py").read_text()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="*", type=Path)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--conc", type=int, default=16)
-    ap.add_argument("--kind", default="short", choices=("short", "long"))
+    ap.add_argument("--kind", default="short", choices=("short", "long", "usage", "paced"))
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="--kind paced: between tokens")
     ap.add_argument("--extra-path", default="")
     ap.add_argument("--bare", action="store_true", help="measure the bare relay too")
     ap.add_argument("--keep", type=Path, help="copy the callgrind dumps here (callgrind_annotate)")
+    ap.add_argument(
+        "--usage-off-too",
+        action="store_true",
+        help="each tree again with backends.primary.stream_usage: false",
+    )
     ap.add_argument(
         "--recorder",
         action="store_true",
@@ -97,9 +122,15 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="brownout-instr-"))
     procs: list[subprocess.Popen[bytes]] = []
     up_port = free_port()
-    procs.append(start_static_upstream(tmp, up_port))
+    if args.kind == "paced":
+        script = str(ROOT / "bench" / "paced_upstream.py")
+        gap = f"--gap-ms={args.gap_ms}"
+        procs.append(subprocess.Popen([sys.executable, script, str(up_port), gap]))
+        upstream = f"http://127.0.0.1:{up_port}"
+    else:
+        procs.append(start_static_upstream(tmp, up_port))
+        upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
     wait_port(up_port)
-    upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
     results: list[tuple[str, float]] = []
     try:
         if args.bare:
@@ -111,25 +142,33 @@ def main() -> int:
             results.append(("bare aiohttp", measure(p, port, out, args.requests, args.conc)))
             print(f"bare aiohttp: {results[-1][1]:,.0f} instructions / request", flush=True)
             stop([p])
+        variants = [("", "")]
+        if args.recorder:
+            variants.append((" (recorder on)", "recorder"))
+        if args.usage_off_too:
+            variants.append((" (stream_usage off)", "    stream_usage: false\n"))
         runs = [
-            (tree.resolve(), rec)
+            (tree.resolve(), label, extra)
             for tree in args.trees
-            for rec in ((False, True) if args.recorder else (False,))
+            for label, extra in variants
+            if not extra or extra == "recorder" or knows_stream_usage(tree)
         ]
-        for i, (tree, rec) in enumerate(runs):
+        for i, (tree, label, extra) in enumerate(runs):
             port = free_port()
-            pol = brownout_policy(tmp, upstream, f"instr{i}", sessions=False)
-            label = str(tree)
+            rec = extra == "recorder"
+            pol = brownout_policy(
+                tmp, upstream, f"instr{i}", sessions=False, primary_extra="" if rec else extra
+            )
             if rec:
                 with pol.open("a") as f:
                     f.write(f"recorder:\n  enabled: true\n  dir: {tmp / f'rec{i}'}\n")
-                label += " (recorder on)"
             out = tmp / f"cg-{i}"
             pp = os.pathsep.join(filter(None, [str(tree), args.extra_path]))
             p = callgrind(out, serve_cmd(pol, port), tree, {**os.environ, "PYTHONPATH": pp})
             procs.append(p)
-            results.append((label, measure(p, port, out, args.requests, args.conc)))
-            print(f"{label}: {results[-1][1]:,.0f} instructions / request", flush=True)
+            name = f"{tree}{label}"
+            results.append((name, measure(p, port, out, args.requests, args.conc)))
+            print(f"{name}: {results[-1][1]:,.0f} instructions / request", flush=True)
             stop([p])
     finally:
         stop(procs)
@@ -141,8 +180,9 @@ def main() -> int:
     print(f"\n{args.kind} streams, {args.requests} requests, {args.conc} at a time")
     for name, ir in results:
         print(f"| {name} | {ir:,.0f} |")
-    if args.recorder:
-        for off, on in zip(results[0::2], results[1::2], strict=True):
+    if args.recorder and not args.usage_off_too:
+        mine = [r for r in results if r[0] != "bare aiohttp"]
+        for off, on in zip(mine[0::2], mine[1::2], strict=True):
             print(f"recorder on / off: {on[1] / off[1]:.4f} ({(on[1] / off[1] - 1) * 100:+.2f} %)")
     return 0
 

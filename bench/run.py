@@ -168,9 +168,24 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def brownout_policy(
-    tmp: Path, upstream: str, name: str, sessions: bool, guard: bool = True
+    tmp: Path,
+    upstream: str,
+    name: str,
+    sessions: bool,
+    guard: bool = True,
+    primary_extra: str = "",
+    *,
+    candidate: str | None = None,
+    extra: str = "",
 ) -> Path:
+    """The benchmarks' policy; `candidate` adds `backends.candidate` (same
+    health settings as the primary), `extra` is appended (a `rollout:` section)."""
     path = tmp / f"policy-{name}.yaml"
+    cand = (
+        f"  candidate:\n    url: {candidate}\n    health: {{interval_s: 5}}\n"
+        if candidate is not None
+        else ""
+    )
     store = (
         f"  store: redis://127.0.0.1:6379/0\n  key_prefix: 'brownout-bench:{os.getpid()}:'\n"
         "  ttl_s: 120\n"
@@ -187,13 +202,13 @@ backends:
   primary:
     url: {upstream}
     health: {{interval_s: 5}}
-ladder:
+{primary_extra}{cand}ladder:
   throttle: {{max_inflight: 4096, queue_size: 4096, scrape_interval_s: 0}}
 guard:
   enabled: {"true" if guard else "false"}
 sessions:
   max_turns: 4
-{store}"""
+{store}{extra}"""
     )
     return path
 

@@ -14,8 +14,12 @@ from proxy.app import create_app
 from proxy.ingress.listen import GuardedSite
 from proxy.policy import Policy, redact_url
 from proxy.runtime.keys import STATE
+from proxy.runtime.shutdown import drain
 from proxy.runtime.state import ProxyState
 from proxy.telemetry.logs import configure_logging
+
+#: How long handlers still running after the drain get before they are cancelled.
+CLEANUP_TIMEOUT_S = 1.0
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -47,26 +51,39 @@ def run(policy: Policy, host: str | None = None, port: int | None = None) -> Non
 
 
 async def serve(app: web.Application, host: str, port: int, shutdown_grace_s: float) -> None:
-    """Serve `app` until SIGINT or SIGTERM, then shut down gracefully: stop
-    listening, give in-flight requests `shutdown_grace_s`, run the cleanups.
+    """Serve `app` until SIGINT or SIGTERM, then drain (`proxy.runtime.shutdown`):
+    `/readyz` 503 and new API requests 503 + `Retry-After` while the listener
+    stays open, in-flight requests get `shutdown_grace_s` to finish (a second
+    signal cuts that short); then stop listening and run the cleanups.
     (`web.run_app`, but on a site with the header deadline.)"""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    draining = app[STATE].shutdown
+
+    def on_signal() -> None:
+        if stop.is_set():
+            draining.hurry.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     runner = web.AppRunner(
         app,
         access_log=None,  # one structured line per request is logged instead
         # Cancel the handler when the client goes away, so the upstream
         # request is closed at once and vLLM frees the sequence's KV cache.
         handler_cancellation=True,
-        shutdown_timeout=shutdown_grace_s,
+        # The drain below already gave the API requests their grace: what is
+        # left at cleanup (a status page's event stream, closed on shutdown; a
+        # stream past the deadline) gets a moment, then is cancelled.
+        shutdown_timeout=min(shutdown_grace_s, CLEANUP_TIMEOUT_S),
         keepalive_timeout=75.0,  # idle keep-alive (nginx's upstream pool: 60 s)
     )
     await runner.setup()
     try:
         await start_site(runner, app, host, port)
         await stop.wait()
+        await drain(draining, shutdown_grace_s)
     finally:
         await runner.cleanup()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -112,6 +112,10 @@ class Upstream:
             self.supports_continuation = p.supports_continuation
         else:
             self.supports_continuation = p.kind in ("vllm", "transformers")
+        # Ask for every stream's usage chunk (the token counters).
+        self.stream_usage: bool = (
+            p.stream_usage if p.stream_usage is not None else p.kind in ("vllm", "transformers")
+        )
         # Only what the operator lists: a field the backend does not honour is
         # refused or dropped by name (ladder.failover.unsupported_fields).
         self.drop_params: tuple[str, ...] = p.drop_params

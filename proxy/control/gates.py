@@ -9,6 +9,10 @@ latency, its TTFT (streams only), whether it failed by the backend's own
 fault, whether it was an out-of-memory error. Each arm keeps deques of
 (at, value) over the sliding `window_s`, pruned on every `observe()` (each
 sample is appended once and popped once: O(1) amortized) and on `evaluate()`.
+The latency and TTFT values are also kept sorted as they come and go
+(`bisect.insort`, a bisected delete: O(log n) compares and one memmove), so
+`evaluate()` sorts nothing: with 2,000 samples per arm it takes 14 µs
+instead of 660 µs, `observe()` 3.4 µs instead of 1.8 (`bench/gates_bench.py`).
 Memory is capped at `CAP` = 10,000 samples per arm and series (requests,
 latencies, TTFTs); past it the oldest go first, so at more than ~33 requests/s
 per arm over the default 300 s window the gates judge the last 10,000.
@@ -101,6 +105,7 @@ error_rate, quality, p99_ratio, ttft_ratio (the gates tuple has that order);
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 from dataclasses import dataclass, field
@@ -118,6 +123,9 @@ CAP = 10_000  # samples per arm and series
 ARM_TAIL = 0.0125  # per tail and arm: 97.5 % per arm, ≥ 95 % for the ratio (Bonferroni)
 SLACK = 1e-9  # float slack on the quality comparison
 _NEGLIGIBLE = 1e-17
+# A prune of more than 1/_REBUILD of a series re-sorts the rest (see _Series).
+_REBUILD = 8
+_INF = math.inf
 
 
 # -- the statistics (pure functions) ----------------------------------------------
@@ -267,34 +275,69 @@ class GateReport:
 
 
 class _Series:
-    """(at, value) samples over the window, capped."""
+    """(at, value) samples over the window, capped, in time order (`q`); the
+    same values kept in ascending order alongside (`ordered`: `insort` on
+    each add, a bisected delete on each pop), so that `evaluate()` reads the
+    order statistics without sorting. A prune that drops many at once
+    re-sorts what is left instead (cheaper than that many deletes)."""
 
-    __slots__ = ("cap", "q")
+    __slots__ = ("cap", "ordered", "q")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.q: collections.deque[tuple[float, float]] = collections.deque()
+        self.ordered: list[float] = []
 
     def add(self, at: float, v: float) -> None:
         if len(self.q) >= self.cap:
-            self.q.popleft()
+            self._pop()
         self.q.append((at, v))
+        bisect.insort(self.ordered, v)
+
+    def _pop(self) -> None:
+        _, v = self.q.popleft()
+        o = self.ordered
+        del o[bisect.bisect_left(o, v)]  # an equal value: the same multiset
 
     def prune(self, horizon: float) -> None:
         q = self.q
-        while q and q[0][0] < horizon:
-            q.popleft()
+        if not q or q[0][0] >= horizon:
+            return
+        # Time order: the `k` oldest leave.
+        n = len(q)
+        k = 1
+        while k < n and q[k][0] < horizon:
+            k += 1
+        if k * _REBUILD > n:
+            for _ in range(k):
+                q.popleft()
+            self.ordered = sorted(v for _, v in q)
+        else:
+            for _ in range(k):
+                self._pop()
 
     def sorted(self) -> list[float]:
-        return sorted(v for _, v in self.q)
+        """The values in ascending order (the kept list itself: read only)."""
+        return self.ordered
 
 
 class _ArmState:
-    __slots__ = ("dropped", "latency", "n_failed", "n_oom", "quality", "requests", "ttft")
+    __slots__ = (
+        "dropped",
+        "latency",
+        "n_failed",
+        "n_oom",
+        "quality",
+        "req_at",
+        "req_flags",
+        "ttft",
+    )
 
     def __init__(self, cap: int) -> None:
-        # requests: (at, flags) with bit 1 = failed, bit 2 = oom; totals kept alongside.
-        self.requests: collections.deque[tuple[float, int]] = collections.deque()
+        # Requests: their times and flags side by side (bit 1 = failed, bit 2 =
+        # oom); the totals kept alongside.
+        self.req_at: collections.deque[float] = collections.deque()
+        self.req_flags: collections.deque[int] = collections.deque()
         self.n_failed = 0
         self.n_oom = 0
         self.latency = _Series(cap)
@@ -303,23 +346,36 @@ class _ArmState:
         self.quality: float | None = None
 
     def _pop(self) -> None:
-        _, flags = self.requests.popleft()
-        self.n_failed -= flags & 1
-        self.n_oom -= (flags >> 1) & 1
+        self.req_at.popleft()
+        flags = self.req_flags.popleft()
+        if flags:
+            self.n_failed -= flags & 1
+            self.n_oom -= (flags >> 1) & 1
 
     def add(self, at: float, failed: bool, oom: bool, cap: int) -> None:
-        if len(self.requests) >= cap:
+        if len(self.req_at) >= cap:
             self._pop()
-        self.requests.append((at, int(failed) | (int(oom) << 1)))
-        self.n_failed += failed
-        self.n_oom += oom
+        self.req_at.append(at)
+        if failed or oom:
+            self.req_flags.append(int(failed) | (int(oom) << 1))
+            self.n_failed += failed
+            self.n_oom += oom
+        else:
+            self.req_flags.append(0)
 
     def prune(self, horizon: float) -> None:
-        q = self.requests
-        while q and q[0][0] < horizon:
-            self._pop()
-        self.latency.prune(horizon)
-        self.ttft.prune(horizon)
+        """Drop what left the window (each deque checked at its front: the
+        common case, nothing to drop, costs three comparisons)."""
+        q = self.req_at
+        if q and q[0] < horizon:
+            while q and q[0] < horizon:
+                self._pop()
+        s = self.latency
+        if s.q and s.q[0][0] < horizon:
+            s.prune(horizon)
+        s = self.ttft
+        if s.q and s.q[0][0] < horizon:
+            s.prune(horizon)
 
 
 def _sample(x: float | None) -> float | None:
@@ -330,7 +386,8 @@ def _sample(x: float | None) -> float | None:
         v = float(x)
     except (TypeError, ValueError):
         return math.nan
-    return v if math.isfinite(v) and v >= 0.0 else math.nan
+    # + 0.0: a -0.0 is 0.0 (equal values are interchangeable in `_Series.ordered`).
+    return v + 0.0 if math.isfinite(v) and v >= 0.0 else math.nan
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
@@ -381,23 +438,33 @@ class Gates:
         """One finished request of `arm`. Returns the failing hard gate (oom,
         then error_rate) when this candidate failure or OOM leaves it over its
         limit, else None."""
-        st = self._arm(arm)
-        if not isinstance(at, int | float) or not math.isfinite(at):
+        st = self._arms.get(arm)
+        if st is None:
+            raise ValueError(f"unknown arm {arm!r}")
+        # (`type(...) is float` first: the runtime's clock and latencies are
+        # floats, and the exact type test is the cheap one on every request.)
+        if (type(at) is not float and not isinstance(at, int | float)) or not math.isfinite(at):
             st.dropped += 1
             return None
-        at = max(float(at), self._last_at)
+        at = float(at)
+        if at < self._last_at:
+            at = self._last_at
         self._last_at = at
         st.prune(at - self.policy.window_s)
         st.add(at, failed, oom, self.cap)
         if not failed:
-            for series, x in ((st.latency, latency_s), (st.ttft, ttft_s)):
-                v = _sample(x)
-                if v is None:
-                    continue
-                if math.isnan(v):
-                    st.dropped += 1
+            # A finite, non-negative float is usable as it is (the runtime's
+            # case, on every request); anything else goes through `_sample`.
+            if latency_s is not None:
+                if type(latency_s) is float and 0.0 <= latency_s < _INF:
+                    st.latency.add(at, latency_s + 0.0)  # -0.0 as 0.0
                 else:
-                    series.add(at, v)
+                    self._odd_sample(st, st.latency, at, latency_s)
+            if ttft_s is not None:
+                if type(ttft_s) is float and 0.0 <= ttft_s < _INF:
+                    st.ttft.add(at, ttft_s + 0.0)
+                else:
+                    self._odd_sample(st, st.ttft, at, ttft_s)
         if arm != "candidate" or not (failed or oom):
             return None
         prim = self._arms["primary"]
@@ -410,6 +477,17 @@ class Gates:
             if g.verdict == "fail":
                 return g
         return None
+
+    @staticmethod
+    def _odd_sample(st: _ArmState, series: _Series, at: float, x: object) -> None:
+        """A latency or TTFT that is not a plain finite, non-negative float."""
+        v = _sample(x)  # type: ignore[arg-type]
+        if v is None:
+            return
+        if math.isnan(v):
+            st.dropped += 1
+        else:
+            series.add(at, v)
 
     def quality(self, arm: Arm, passed: int, total: int, at: float) -> None:
         """An eval-set run's result for `arm`: `passed` of `total` checks."""
@@ -453,7 +531,7 @@ class Gates:
             "primary": float(prim.n_oom),
             "candidate": float(cand.n_oom),
         }
-        n = len(cand.requests)
+        n = len(cand.req_at)
         if cand.n_oom > limit:
             return GateValue(
                 "oom",
@@ -478,8 +556,8 @@ class Gates:
 
     def _error_gate(self, cand: _ArmState, prim: _ArmState) -> GateValue:
         limit = self.policy.error_rate_max
-        n, k = len(cand.requests), cand.n_failed
-        np_ = len(prim.requests)
+        n, k = len(cand.req_at), cand.n_failed
+        np_ = len(prim.req_at)
         arms: dict[str, float | None] = {
             "primary": prim.n_failed / np_ if np_ else None,
             "candidate": k / n if n else None,
@@ -623,7 +701,7 @@ class Gates:
             gates=tuple(gates),
             failed=failed,
             ready=all(g.verdict == "pass" for g in gates),
-            samples={a: len(self._arms[a].requests) for a in ARMS},
+            samples={a: len(self._arms[a].req_at) for a in ARMS},
             dropped={a: self._arms[a].dropped for a in ARMS},
         )
 
@@ -631,7 +709,7 @@ class Gates:
         """Samples held in memory per arm and series (bounded by `cap`)."""
         return {
             a: {
-                "requests": len(s.requests),
+                "requests": len(s.req_at),
                 "latency": len(s.latency.q),
                 "ttft": len(s.ttft.q),
             }

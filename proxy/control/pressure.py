@@ -38,6 +38,11 @@ WAITING = ("vllm:num_requests_waiting",)
 RUNNING = ("vllm:num_requests_running",)
 KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 REJECTIONS = ("vllm:admission_rejections_total",)
+# vLLM's histogram of the time requests waited in its own queue: its sum and
+# count, re-exported (brownout_upstream_request_queue_time_seconds) for the
+# engine queue-wait alert.
+QUEUE_TIME_SUM = ("vllm:request_queue_time_seconds_sum",)
+QUEUE_TIME_COUNT = ("vllm:request_queue_time_seconds_count",)
 
 
 class Window:
@@ -114,6 +119,8 @@ class EngineGauges:
     running: float = 0.0
     kv_cache: float = 0.0
     rejections: float = 0.0
+    # (count, sum) of vLLM's request queue time histogram; None: not exported.
+    queue_time: tuple[float, float] | None = None
     scraped_at: float | None = None
     error: str | None = None
 
@@ -125,7 +132,7 @@ def parse_vllm_metrics(text: str) -> EngineGauges:
     this runs on the event loop every second.
     """
     sums: dict[str, float] = {}
-    wanted = WAITING + RUNNING + KV_CACHE + REJECTIONS
+    wanted = WAITING + RUNNING + KV_CACHE + REJECTIONS + QUEUE_TIME_SUM + QUEUE_TIME_COUNT
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -146,6 +153,11 @@ def parse_vllm_metrics(text: str) -> EngineGauges:
     # Several engines: the fullest one is what saturates first.
     g.kv_cache = kv[0] if kv else 0.0
     g.rejections = sum(sums.get(n, 0.0) for n in REJECTIONS)
+    if any(n in sums for n in QUEUE_TIME_COUNT):
+        g.queue_time = (
+            sum(sums.get(n, 0.0) for n in QUEUE_TIME_COUNT),
+            sum(sums.get(n, 0.0) for n in QUEUE_TIME_SUM),
+        )
     return g
 
 

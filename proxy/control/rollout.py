@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -52,8 +53,9 @@ def bucket(key: str) -> float:
 
 
 def random_bucket() -> float:
-    """`sticky: none`: a fresh bucket per request."""
-    return int.from_bytes(os.urandom(8), "big") / 2.0**64
+    """`sticky: none` (or no key): a fresh bucket per request, uniform on [0, 1)
+    (`random.random`: no system call per request, and a bucket needs no secrecy)."""
+    return random.random()
 
 
 def in_window(window: str | None, tz: str, epoch_s: float) -> bool:
@@ -119,14 +121,25 @@ class Rollout:
     def mirroring(self) -> bool:
         return self.state == "mirror" and self.policy.mirror > 0
 
+    def cut(self, priority: str) -> float:
+        """The bucket below which a request of `priority` goes to the candidate
+        now; 0.0: none does (not routing, or a priority that joins only at the
+        last step). Known before the bucket: a request that cannot go is not hashed."""
+        st = self.state
+        if st == "step" or st == "paused":
+            p = self.policy
+            step = self.step
+            if priority not in p.priorities and step < len(p.steps) - 1:
+                return 0.0  # critical joins at the last step
+            return p.steps[step]
+        if st == "complete":
+            return 1.0
+        return 0.0
+
     def arm(self, b: float, priority: str) -> Arm:
         """The arm of a request with bucket `b` and `priority`."""
-        if not self.routing:
-            return "primary"
-        last = self.step >= len(self.policy.steps) - 1
-        if self.state != "complete" and priority not in self.policy.priorities and not last:
-            return "primary"  # critical joins at the last step
-        return "candidate" if b < self.share else "primary"
+        cut = self.cut(priority)
+        return "candidate" if cut > 0.0 and b < cut else "primary"
 
     # -- operator actions --------------------------------------------------------
 

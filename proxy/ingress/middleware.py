@@ -34,8 +34,10 @@ from proxy.ingress.paths import path_problem
 from proxy.ingress.routes import Route, route_of
 from proxy.openai.auth import bearer_token, is_valid_utf8, key_matches
 from proxy.openai.errors import HTTP_CODES, error_body, error_type_for
+from proxy.runtime import shutdown
 from proxy.runtime.generation import request_id
 from proxy.runtime.keys import STATE
+from proxy.runtime.shutdown import Draining
 
 log = structlog.get_logger("brownout.request")
 
@@ -65,6 +67,7 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
     # else binds one), so the next starts from an empty one.
     structlog.contextvars.bind_contextvars(request_id=rid)
     deadline = listen.request_started(request)
+    counted: Draining | None = None
     try:
         route = route_of(request)
         _check_path(request.rel_url.raw_path)
@@ -75,6 +78,13 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
                 # suggests the right token would make it work.
                 raise web.HTTPMethodNotAllowed(request.method, route.methods)
             _authenticate(request, route)
+            if route.auth == "client":
+                # An API request: SIGTERM's drain waits for it, or turns it away.
+                drain = request.app[STATE].shutdown
+                if drain.draining:
+                    return _shutting_down(request)
+                drain.active += 1
+                counted = drain
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -95,8 +105,25 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
             return reject(request, exc)
         return await _internal_error(request, exc)
     finally:
+        if counted is not None:
+            counted.active -= 1
         listen.request_finished(request, deadline)
         structlog.contextvars.clear_contextvars()
+
+
+def _shutting_down(request: web.Request) -> web.Response:
+    """A new API request while the process drains (proxy.runtime.shutdown):
+    503 with `Retry-After`, and the connection closed so the retry opens a
+    new one (to another replica)."""
+    rej = RequestRejected(
+        503,
+        "This replica is shutting down; retry (another replica will answer).",
+        "shutting_down",
+        type_="server_error",
+    )
+    response = reject(request, rej, {"Retry-After": str(shutdown.RETRY_AFTER_S)})
+    response.force_close()  # `Connection: close`
+    return response
 
 
 def reject(

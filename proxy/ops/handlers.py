@@ -48,13 +48,17 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """Readiness: at least one backend passed its last probe (maintenance
     answers would still work, but a load balancer should prefer a replica
-    that can reach a model)."""
-    rt = request.app[STATE].current
-    ready = any(u.health.healthy for u in rt.upstreams.values())
-    body = {
+    that can reach a model). Never while the process drains on SIGTERM."""
+    state = request.app[STATE]
+    rt = state.current
+    draining = state.shutdown.draining
+    ready = not draining and any(u.health.healthy for u in rt.upstreams.values())
+    body: dict[str, object] = {
         "ready": ready,
         "backends": {n: bool(u.health.healthy) for n, u in rt.upstreams.items()},
     }
+    if draining:
+        body["draining"] = True
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from proxy.backends.upstream import Upstream
 from proxy.errors import RequestRejected
 from proxy.openai.capabilities import without
+from proxy.openai.usage import ask_for_usage, usage_plan
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import RequestRecord
 from proxy.sessions.conversation import surely_fits
@@ -80,12 +81,21 @@ def unsupported_fields(up: Upstream, fields: list[str]) -> RequestRejected:
     )
 
 
+def asks_usage(rec: RequestRecord, up: Upstream) -> bool:
+    """Whether Brownout asks `up` for this stream's usage chunk on its own
+    behalf (and so removes it from the client's stream)."""
+    return rec.stream and up.stream_usage and usage_plan(rec.body) == "ask"
+
+
 async def payload_for(rec: RequestRecord, up: Upstream, inbox: Inbox, deadline: float) -> bytes:
     body = await adapted(rec, up, inbox, deadline)
-    # Unchanged bodies go upstream as the client sent them.
-    if body is rec.body and not rec.body_changed:
-        return rec.raw
-    return json.dumps(body).encode()
+    # Unchanged bodies go upstream as the client sent them (but for the
+    # usage question of a stream, spliced in).
+    unchanged = body is rec.body and not rec.body_changed
+    payload = rec.raw if unchanged else json.dumps(body).encode()
+    if asks_usage(rec, up):
+        return ask_for_usage(payload, body)
+    return payload
 
 
 async def trimmed_messages(

@@ -122,6 +122,8 @@ async def run_attempts(
     why = ""
     # 5xx failures that moved the request on (forgiven if it failed everywhere).
     server_errors: list[tuple[Upstream, AttemptResult, Permit]] = []
+    trace = rec.trace
+    retry_reason = ""  # why this attempt is a retry (its span says)
     for i, up in enumerate(candidates):
         retries = 0
         budget = up.retry_budget
@@ -141,12 +143,20 @@ async def run_attempts(
             prev = up
             rec.backend = up.name
             reported = False
+            traced: AttemptResult | None = None
+            d = _RETURN
+            if trace is not None:
+                reason = retry_reason if retries else (why if i else "")
+                trace.begin_attempt(rec, up, retry=retries, reason=reason)
             try:
                 # A retry gets what is left of the first attempt's deadline.
                 result = await attempt(rec, up, inbox, passthrough, deadline if retries else None)
+                traced = result
                 if result.kind == "ended" and result.stream is not None:
                     inbox.attempt(up, result, permit)
                     reported = True
+                    if trace is not None:
+                        trace.end_attempt(result)  # the rescue is an attempt of its own
                     result = await rescue_or_end(rec, up, result, inbox)
                 if not retries and result.kind != "shed":
                     # Retries are not requests, and neither is a request that
@@ -173,6 +183,7 @@ async def run_attempts(
                         inbox.retry(up, up, d.reason)
                         delay = d.delay
                         last = result
+                        retry_reason = d.reason
                         continue
                     inbox.budget_exhausted(up, d.reason)
                     d = Decision("next", d.reason)
@@ -182,6 +193,8 @@ async def run_attempts(
                         server_errors.append((up, result, permit))
             finally:
                 inbox.settle(up, permit)
+                if trace is not None:
+                    trace.end_attempt(traced, d.step)
             if d.step == "return":
                 return result
             why = d.reason
@@ -326,12 +339,18 @@ async def attempt(
             client = who
             if not rt.client_slots.take(client, cap):
                 return shed(rec, inbox, Rejected("client_limit", 1))
+        trace = rec.trace
+        waited_from = rec.loop.time() if trace is not None else 0.0
         try:
             await rt.admission.acquire(rec.priority, who)
         except Rejected as r:
             if client:
                 rt.client_slots.give(client)
+            if trace is not None:
+                trace.admission_wait(rec.loop.time() - waited_from, r.reason)
             return shed(rec, inbox, r)
+        if trace is not None:
+            trace.admission_wait(rec.loop.time() - waited_from, "admitted")
     try:
         # One deadline for preparing the request (trimming may count tokens on
         # the backend) and for the backend's first byte, retries included.

@@ -23,6 +23,10 @@ from proxy.pipeline.record import AttemptResult, RequestRecord
 def upstream_headers(rec: RequestRecord, up: Upstream, *, entity: bool = True) -> CIMultiDict[str]:
     # Entity headers describe the forwarded bytes, not the client's (proxy.ingress.headers).
     out = forward_headers(rec.request.headers, rec.rid, up.auth_header)
+    trace = rec.trace
+    if trace is not None:
+        # The attempt's span is the backend's parent (the client's traceparent, ours).
+        trace.inject(out)
     if not entity:
         out.popall("Content-Type", None)
     return out

@@ -8,6 +8,7 @@ from typing import Any
 
 import structlog
 
+from proxy.control.rollout import RUNNING
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal
 
@@ -26,6 +27,7 @@ def terminal_of(result: AttemptResult) -> Terminal:
         stream_error=result.outcome if result.delivered and result.kind == "ended" else "",
         bad_request=result.code if result.kind == "refused" else "",
         answer=result.answer,
+        tokens=result.tokens,
     )
 
 
@@ -79,9 +81,17 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
         m.stream_errors.labels(term.backend, term.stream_error).inc()
     if term.bad_request:
         m.bad_requests.labels(term.bad_request).inc()
+    if term.tokens:
+        tier = rt.tier
+        for t in term.tokens:
+            m.count_tokens(t.backend, t.model, tier, t.prompt, t.completion)
+            if t.tpot is not None:
+                tb = rt.backend_metrics.get(t.backend)
+                if tb is not None:
+                    tb.per_output_token.observe(t.tpot)
     canary = rt.canary
-    if canary is not None:
-        canary.finished(rec, term, elapsed)
+    if canary is not None and canary.rollout.state in RUNNING:
+        canary.finished(rec, term, elapsed)  # the gates' sample (a rollout runs)
     extra: dict[str, Any] = {}
     notes = []
     for backend, sg in rec.guards:
@@ -95,6 +105,9 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
             )
     if notes:
         extra["guard_notes"] = notes
+    trace = rec.trace
+    if trace is not None:
+        trace.finish(rec, term)
     if rec.rescued:
         extra["rescued"] = True
     if term.detail:

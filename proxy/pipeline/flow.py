@@ -40,6 +40,9 @@ def serve_passthrough(
 
 async def serve(rec: RequestRecord) -> web.StreamResponse:
     inbox = Inbox(rec.rt, rec.rid, rec.request, rec.body)
+    tracing = rec.rt.tracing
+    if tracing is not None:
+        rec.trace = tracing.start(rec)
     term: Terminal | None = None
     response: web.StreamResponse
     # In flight from here to the record: what a reload's drain waits for.
@@ -67,11 +70,16 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         if canary is not None and dest == "primary":
             # A gray release: the request's bucket picks its arm; a candidate
             # failure before the first byte is then retried on the primary.
-            cand = rt.upstreams.get("candidate")
-            if cand is not None and cand.available:
-                if canary.rollout.routing and canary.wants_candidate(rec):
-                    candidates = [cand, *candidates]
-                elif canary.rollout.mirroring and rec.endpoint == "chat":
+            # (The rollout's state first: idle, it costs two attribute reads.)
+            ro = canary.rollout
+            if ro.routing:
+                if canary.wants_candidate(rec):
+                    cand = rt.upstreams.get("candidate")
+                    if cand is not None and cand.available:
+                        candidates = [cand, *candidates]
+            elif ro.mirroring and rec.endpoint == "chat":
+                cand = rt.upstreams.get("candidate")
+                if cand is not None and cand.available:
                     canary.maybe_mirror(rec, cand)
         result = await run_attempts(
             rec, inbox, candidates, passthrough=rec.endpoint == "passthrough"

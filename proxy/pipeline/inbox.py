@@ -158,6 +158,13 @@ class Inbox:
         if isinstance(model, str) and model in up.served_models:
             up.traffic_model = model  # what the recovery probe asks for
         v = classify(result.fault, result.status, text, result.retry_after is not None)
+        canary = self.rt.canary
+        if canary is not None and (v.attribution == "backend" or result.status >= 500):
+            # A gray release's error log has it now, before the request ends
+            # (its rollback bundle may be written first: the health gate).
+            # Its detail, else what the backend said (its error body or event).
+            detail = result.detail or text[:300].decode("utf-8", "replace")
+            canary.attempt_failed(self.rid, up.name, result.status, v.fault, detail, v.attribution)
         if v.fault == "total_timeout" and self.rt.check_engine(
             up, permit, Held(v.fault, result.detail, self.client, self.rid)
         ):

@@ -5,6 +5,13 @@ callbacks that re-arm themselves only when they fire
 (`proxy.pipeline.streamtimers`), so a chunk costs a read, a parse (one
 `find` in the common case), a few byte checks and a write.
 
+Token telemetry rides along at a few operations per region, no JSON: the
+usage chunk is recognised by one byte test (`proxy.openai.usage`),
+decoded once, and removed when Brownout asked for it on its own behalf; the
+time between content events goes to `brownout_inter_token_seconds` as one
+bucket increment per region (a region of k events that arrived g seconds
+after the previous one counts k gaps of g/k).
+
 Until the first event arrives the client has not seen a status line yet, so a
 failure there (an error event, a timeout) can still become a proper HTTP
 error. If the upstream is slow to start (long prefill), headers and an SSE
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -39,7 +47,9 @@ from proxy.openai.sse import (
     error_payload,
     json_event,
 )
+from proxy.openai.usage import Usage, find_usage
 from proxy.pipeline.streamtimers import Pump
+from proxy.telemetry.metrics import Buckets
 
 Outcome = Literal[
     "complete",  # [DONE] (or finish_reason then EOF) seen
@@ -71,6 +81,8 @@ class StreamResult:
     regions: list[bytes] | None = None  # what was forwarded, when asked to keep it
     trip: Trip | None = None  # why the guard stopped the stream
     kept_overflow: bool = False  # more than keep_limit bytes: regions were let go
+    usage: Usage | None = None  # the backend's usage chunk, when it sent one
+    last_event_at: float | None = None  # loop time of the last events (a complete answer)
 
     @property
     def started(self) -> bool:
@@ -92,6 +104,8 @@ async def relay_stream(
     max_event_bytes: int = MAX_EVENT_BYTES,
     keep_limit: int = 1 << 62,
     prefix: bytes = b"",
+    strip_usage: bool = False,
+    itl: Buckets | None = None,
 ) -> StreamResult:
     """Relay an upstream SSE answer; the caller owns (and closes) `upstream`.
 
@@ -109,6 +123,9 @@ async def relay_stream(
     At most `keep_limit` bytes are kept (then `kept_overflow`, nothing kept);
     an event over `max_event_bytes` ends the stream (`event_too_large`).
     `prefix`: bytes of the stream the caller already read (to learn its format).
+    The backend's usage chunk, when it sends one, is read into `usage`; with
+    `strip_usage` (Brownout asked for it, the client did not) it is not
+    forwarded. `itl` gets the time between the answer's events.
     """
     if client is None:
         client = web.StreamResponse(status=200, headers=headers)
@@ -122,6 +139,10 @@ async def relay_stream(
     kept = result.regions
     kept_bytes = 0
     content = upstream.content
+    # Inter-token latency, inline (a method call per region would cost more
+    # than the bucket increment itself); its sum is added once, at the end.
+    itl_counts, itl_bounds = (itl.counts, itl.bounds) if itl is not None else ([], ())
+    itl_sum = 0.0
     try:
         # ---- until the first event: failures can still be HTTP errors.
         region = b""
@@ -153,7 +174,7 @@ async def relay_stream(
                 result.outcome = "truncated"
                 result.detail = "backend closed the stream before sending anything"
                 return await _fail(pump, result, 502, "upstream_truncated")
-        result.first_event_at = loop.time()
+        result.first_event_at = pump.last_activity = loop.time()
         if region.startswith(b"data:"):
             first = region[5 : region.find(b"\n")].strip()
             if is_error_event(first):
@@ -177,9 +198,25 @@ async def relay_stream(
         write = client.write
         saw_finish = False
         final = False
+        last_at = result.first_event_at  # the previous region's arrival (ITL)
         while True:
-            run = runs.cut(region) if not final else None
-            if guard is not None:
+            in_usage = 0  # the usage chunk is one of this region's events
+            # A usage chunk ends "}}\n\n", a region with [DONE] "E]\n\n": one
+            # byte read per region (`find_usage` then checks for real).
+            try:
+                tail = region[-4]
+            except IndexError:
+                tail = 0
+            if tail == 125 or tail == 69:
+                found = find_usage(region)
+                if found is not None:
+                    start, end, result.usage = found
+                    if strip_usage:
+                        region = region[:start] + region[end:]
+                    else:
+                        in_usage = 1
+            run = runs.cut(region) if not final and region else None
+            if guard is not None and region:
                 verdict = guard.feed_final(region) if final else guard.feed(region, run)
                 if verdict is not region:
                     if isinstance(verdict, Trip):
@@ -204,6 +241,16 @@ async def relay_stream(
             # around it are searched.
             events, err_at, finished, done_at = markers(region, run)
             result.events += events
+            if itl is not None:
+                now = pump.last_activity
+                # Content events only: not [DONE], not the usage chunk; k of
+                # them g seconds after the previous read: k gaps of g/k.
+                n = events - in_usage - (done_at >= 0)
+                if n > 0 and now > last_at:
+                    gap = now - last_at
+                    itl_counts[bisect_left(itl_bounds, gap / n)] += n
+                    itl_sum += gap
+                last_at = now
             if err_at >= 0:
                 # Forward what came before the error; the caller decides how
                 # the answer ends (rescue, or this error and [DONE]).
@@ -231,6 +278,7 @@ async def relay_stream(
                 if kept is not None:
                     kept.append(region)
                 result.outcome = "complete"
+                result.last_event_at = pump.last_activity
                 return result
             if region:  # the guard may have dropped every event of it
                 await write(region)
@@ -264,6 +312,7 @@ async def relay_stream(
                         # The answer finished; only the terminator was missing.
                         await write(DONE_EVENT)
                         result.outcome = "complete"
+                        result.last_event_at = pump.last_activity
                     else:
                         result.outcome = "truncated"
                         result.detail = "backend closed the stream before the answer finished"
@@ -282,6 +331,8 @@ async def relay_stream(
         return result
     finally:
         pump.stop()
+        if itl is not None:
+            itl.sum += itl_sum
 
 
 async def end_with_error(result: StreamResult) -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from proxy.guard.verdicts import Trip
     from proxy.pipeline.pump import StreamResult
     from proxy.runtime.generation import Runtime
+    from proxy.telemetry.tracing import RequestTrace
 
 # What became of one attempt on one backend.
 AttemptKind = Literal[
@@ -33,6 +34,17 @@ AttemptKind = Literal[
     "refused",  # the request cannot be served as sent (e.g. context too long)
     "client_gone",  # the client left during the attempt
 ]
+
+
+class TokenCount(NamedTuple):
+    """One answer's token usage on one backend (a rescued stream has two)."""
+
+    backend: str
+    model: str
+    prompt: int
+    completion: int
+    # Streams: seconds per output token after the first (its decode speed).
+    tpot: float | None = None
 
 
 class AttemptResult(NamedTuple):
@@ -64,6 +76,7 @@ class AttemptResult(NamedTuple):
     # (http_500, http_429, reset, ...); "" = fail over at once (timeouts, ...).
     retry: str = ""
     retry_after: float | None = None  # the backend's Retry-After, seconds
+    tokens: tuple[TokenCount, ...] = ()  # the answer's usage, per backend that answered
 
 
 class Terminal(NamedTuple):
@@ -79,6 +92,7 @@ class Terminal(NamedTuple):
     stream_error: str = ""  # a started stream ended with this in-band error
     bad_request: str = ""  # the request's own fault, by code
     answer: str | None = None  # the answer's text (the flight recorder, with `content`)
+    tokens: tuple[TokenCount, ...] = ()  # usage reported by the backends that answered
 
 
 @dataclass(slots=True)
@@ -108,6 +122,8 @@ class RequestRecord:
     dropped: dict[str, list[str]] = field(default_factory=dict)
     # The candidate's own failure of this request (a gray release's evidence).
     candidate_fault: str = ""
+    # Its spans, when the policy traces (`telemetry.otlp_endpoint`).
+    trace: RequestTrace | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
 
     def headers(self, backend: str) -> dict[str, str]:
@@ -128,6 +144,12 @@ class RequestRecord:
     @property
     def chat(self) -> bool:
         return self.endpoint == "chat"
+
+    def model_for(self, backend: str) -> str:
+        """The `model` this request named to `backend` (after the policy's
+        rewrite): the token counters' label."""
+        m = self.adapted.get(backend, self.body).get("model")
+        return m if isinstance(m, str) else ""
 
     @property
     def model(self) -> str | None:

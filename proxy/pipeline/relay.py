@@ -22,9 +22,12 @@ from proxy.errors import JSON_CT, error_body
 from proxy.guard.verdicts import Trip
 from proxy.openai.errors import is_context_error, upstream_error_body
 from proxy.openai.partial import answer_from_body, streamed_answer
+from proxy.openai.usage import usage_of_body
+from proxy.pipeline.adapt import asks_usage
 from proxy.pipeline.call import failed
 from proxy.pipeline.pump import StreamResult, relay_stream
-from proxy.pipeline.record import AttemptKind, AttemptResult, RequestRecord
+from proxy.pipeline.record import AttemptKind, AttemptResult, RequestRecord, TokenCount
+from proxy.telemetry.metrics import Buckets
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 # Worth a second try on the same backend (504 is a timeout: never retried there).
@@ -139,8 +142,13 @@ async def relay_body(
         ctype = JSON_CT
     headers["Content-Type"] = ctype
     answer = None
-    if status == 200 and rec.session is not None and rec.chat:
-        answer = answer_from_body(body)
+    tokens: tuple[TokenCount, ...] = ()
+    if status == 200:
+        if rec.session is not None and rec.chat:
+            answer = answer_from_body(body)
+        usage = usage_of_body(body)
+        if usage is not None:
+            tokens = (TokenCount(up.name, rec.model_for(up.name), *usage),)
     now = rec.loop.time()
     return AttemptResult(
         "answered",
@@ -151,6 +159,7 @@ async def relay_body(
         healthy=True,  # a 4xx is the request's fault, not the backend's
         overhead=rec.overhead_pre + (now - t_upstream),
         answer=answer,
+        tokens=tokens,
     )
 
 
@@ -187,6 +196,8 @@ async def relay_events(
         max_event_bytes=pol.max_event_bytes,
         keep_limit=pol.max_kept_bytes,
         prefix=prefix,
+        strip_usage=asks_usage(rec, up),
+        itl=itl_for(rec, up.name),
     )
     return stream_attempt(rec, up, result, t_call)
 
@@ -208,6 +219,10 @@ def stream_attempt(
     answer: str | None = None
     stream: StreamResult | None = None
     trip: Trip | None = None
+    tokens: tuple[TokenCount, ...] = ()
+    usage = result.usage
+    if usage is not None:
+        tokens = (TokenCount(up.name, rec.model_for(up.name), *usage, _tpot(result, usage[1])),)
     # One AttemptResult built once (no `_replace`: this runs on every stream).
     if not result.started:
         assert result.response is not None
@@ -257,4 +272,19 @@ def stream_attempt(
         answer=answer,
         stream=stream,
         retry=retry,
+        tokens=tokens,
     )
+
+
+def itl_for(rec: RequestRecord, backend: str) -> Buckets | None:
+    bm = rec.rt.backend_metrics.get(backend)
+    return bm.inter_token if bm is not None else None
+
+
+def _tpot(result: StreamResult, completion: int) -> float | None:
+    """Seconds per output token after the first: the stream's first to last
+    events over its other completion tokens (vLLM's time_per_output_token)."""
+    first, last = result.first_event_at, result.last_event_at
+    if first is None or last is None or completion < 2:
+        return None
+    return max(0.0, last - first) / (completion - 1)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
 import aiohttp
 import structlog
@@ -43,12 +44,13 @@ from proxy.openai.partial import (
 )
 from proxy.openai.seam import prepare
 from proxy.openai.sse import error_events
-from proxy.pipeline.adapt import adapted
+from proxy.openai.usage import ask_for_usage
+from proxy.pipeline.adapt import adapted, asks_usage
 from proxy.pipeline.call import call, close
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.pump import StreamResult, end_with_error, relay_stream
 from proxy.pipeline.record import AttemptResult, RequestRecord
-from proxy.pipeline.relay import stream_attempt
+from proxy.pipeline.relay import itl_for, stream_attempt
 from proxy.pipeline.seamread import read_seam
 
 log = structlog.get_logger("brownout.request")
@@ -88,10 +90,16 @@ async def rescue_or_end(
         if permit is None:
             inbox.rescue("fallback_unavailable")
         else:
+            trace = rec.trace
+            if trace is not None:
+                trace.begin_attempt(rec, fb, rescue_from=up.name)
+            rescued: AttemptResult | None = None
             try:
                 rescued = await _rescue_on(rec, fb, permit, up, result, sr, inbox)
             finally:
                 inbox.settle(fb, permit)
+                if trace is not None:
+                    trace.end_rescue(rescued)
             if rescued is not None:
                 return rescued
     await end_with_error(sr)
@@ -154,7 +162,8 @@ async def _rescue_on(
         if prefill or not rec.chat
         else prompt_continuation_body(fitted, partial, produced)
     )
-    resp = await call(rec, fb, url, json.dumps(body).encode(), deadline)
+    ask = asks_usage(rec, fb)
+    resp = await call(rec, fb, url, _payload(body, ask), deadline)
     if prefill and not isinstance(resp, AttemptResult) and resp.status == 400:
         # The fallback refuses the assistant prefill: learn it (not a backend
         # failure, not the client's error) and continue by prompt instead.
@@ -166,7 +175,7 @@ async def _rescue_on(
         log.warning("continuation_unsupported", request_id=rec.rid, backend=fb.name)
         body = prompt_continuation_body(fitted, partial, produced)
         trusted = False
-        resp = await call(rec, fb, url, json.dumps(body).encode(), deadline)
+        resp = await call(rec, fb, url, _payload(body, ask), deadline)
     if isinstance(resp, AttemptResult):
         inbox.failure(fb, permit, "rescue", resp.detail or resp.fault, suspect=True)
         inbox.rescue("failed")
@@ -227,6 +236,8 @@ async def _rescue_on(
                 max_event_bytes=pol.max_event_bytes,
                 keep_limit=pol.max_kept_bytes,
                 prefix=seam.prefix,
+                strip_usage=ask,
+                itl=itl_for(rec, fb.name),
             )
     finally:
         close(resp)
@@ -238,6 +249,9 @@ async def _rescue_on(
     fb_result = stream_attempt(rec, fb, more, t_call)
     inbox.attempt(fb, fb_result._replace(stream=None), permit)
     events = sr.events
+    # Each leg's usage on its own backend: the cut answer's, when it sent
+    # any, and the continuation's (whose prompt includes the partial answer).
+    tokens = result.tokens + fb_result.tokens
     if more.outcome == "complete":
         inbox.rescue("rescued")
         rec.rescued = True
@@ -251,10 +265,15 @@ async def _rescue_on(
             events=events,
             answer=answer,
             stream=None,
+            tokens=tokens,
         )
     if more.outcome == "client_disconnect":
         return result._replace(
-            kind="client_gone", outcome="client_disconnect", events=events, stream=None
+            kind="client_gone",
+            outcome="client_disconnect",
+            events=events,
+            stream=None,
+            tokens=tokens,
         )
     inbox.rescue("failed")
     await end_with_error(more)
@@ -263,7 +282,13 @@ async def _rescue_on(
         detail=f"rescue on {fb.name} failed: {more.detail}",
         events=events,
         stream=None,
+        tokens=tokens,
     )
+
+
+def _payload(body: dict[str, Any], ask: bool) -> bytes:
+    payload = json.dumps(body).encode()
+    return ask_for_usage(payload, body) if ask else payload
 
 
 async def _misaligned(

@@ -24,7 +24,14 @@ from proxy.policy.backends import (
     ProbePolicy,
     TimeoutPolicy,
 )
-from proxy.policy.diff import flatten, policy_diff, redact, redact_url, split_restart
+from proxy.policy.diff import (
+    flatten,
+    policy_diff,
+    policy_hash,
+    redact,
+    redact_url,
+    split_restart,
+)
 from proxy.policy.faq import FaqEntry, FaqFile, FaqPolicy
 from proxy.policy.guard import (
     Action,
@@ -58,6 +65,7 @@ from proxy.policy.priority import (
 from proxy.policy.schema import Policy
 from proxy.policy.server import ServerPolicy
 from proxy.policy.sessions import SessionsPolicy, TrimPolicy
+from proxy.policy.telemetry import TelemetryPolicy
 
 __all__ = [
     "PRIORITIES",
@@ -92,6 +100,7 @@ __all__ = [
     "SessionsPolicy",
     "SharedPolicy",
     "SpecialTokensRule",
+    "TelemetryPolicy",
     "ThrottlePolicy",
     "TimeoutPolicy",
     "TrimPolicy",
@@ -102,6 +111,7 @@ __all__ = [
     "parse_key_priority",
     "parse_policy",
     "policy_diff",
+    "policy_hash",
     "redact",
     "redact_url",
     "split_restart",

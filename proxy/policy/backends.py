@@ -92,6 +92,15 @@ class BackendPolicy:
         "(`continue_final_message`); unset = as it advertises, else yes for vllm and "
         "transformers, until it refuses a prefill. No: rescues continue by prompt.",
     )
+    stream_usage: bool | None = knob(
+        None,
+        "Ask this backend for the token usage of every stream "
+        "(`stream_options.include_usage`), for brownout_prompt_tokens_total and "
+        "brownout_completion_tokens_total; the usage chunk is removed from the client's "
+        "stream unless the client asked for it. Unset = yes for vllm and transformers, no "
+        "for openai (OpenAI itself then adds `usage: null` to every chunk; other servers "
+        "may refuse the field).",
+    )
     drop_params: tuple[str, ...] = knob(
         (),
         "Request parameters removed before sending to this backend; the answer names "

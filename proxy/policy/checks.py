@@ -52,6 +52,7 @@ def cross_checks(policy: Policy, root: yaml.Node, conv: Converter) -> None:
     rollout_checks(policy, bad)
     if policy.recorder.enabled and not policy.recorder.dir.strip():
         bad("recorder.dir", "must name a directory when the recorder is enabled")
+    telemetry_checks(policy, bad)
     for name in ("primary", "fallback", "candidate"):
         b = getattr(policy.backends, name)
         if b is None:
@@ -179,6 +180,29 @@ def _redis_problem(url: str) -> str | None:
 
 _WINDOW_RE = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)$")
 _HEADER_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def telemetry_checks(policy: Policy, bad: Callable[..., None]) -> None:
+    """`telemetry:`: the collector's URL, the export headers, batch within queue."""
+    t = policy.telemetry
+    if t.otlp_endpoint:
+        url = t.otlp_endpoint
+        why = None if _URL_RE.match(url) else "not an http(s) URL"
+        if why is None:
+            why = _url_problem(url)
+        if why is not None:
+            bad("telemetry.otlp_endpoint", f"{why}: {redact('telemetry.otlp_endpoint', url)!r}")
+    for item in t.otlp_headers:
+        name, eq, _ = item.partition("=")
+        if not eq or not _HEADER_RE.match(name):
+            shown = f"{name}=***" if eq else "***"
+            bad("telemetry.otlp_headers", f"must be NAME=value items, got {shown!r}")
+    if t.max_batch_spans > t.max_queue_spans:
+        bad(
+            "telemetry.max_batch_spans",
+            f"must not exceed telemetry.max_queue_spans ({t.max_queue_spans})",
+            "telemetry.max_queue_spans",
+        )
 
 
 def rollout_checks(policy: Policy, bad: Callable[..., None]) -> None:

@@ -10,6 +10,7 @@ says which ones wait for a restart.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -61,6 +62,15 @@ def redact(path: str, value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(REDACTED for _ in value)
     return REDACTED
+
+
+def policy_hash(policy: Policy) -> str:
+    """A short, stable digest of the policy in force (every knob, secrets as
+    redacted: a changed token does not change it, and it says nothing of
+    one): `brownout_build_info{policy_hash}` and `/brownout/status` tell
+    which edit a replica runs."""
+    lines = "\n".join(f"{k}={redact(k, v)!r}" for k, v in sorted(flatten(policy).items()))
+    return hashlib.sha256(lines.encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
 def needs_restart(path: str) -> bool:

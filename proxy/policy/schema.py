@@ -23,6 +23,7 @@ from proxy.policy.recorder import RecorderPolicy
 from proxy.policy.rollout import RolloutPolicy
 from proxy.policy.server import ServerPolicy
 from proxy.policy.sessions import SessionsPolicy
+from proxy.policy.telemetry import TelemetryPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class Policy:
     faq: FaqPolicy = knob(FaqPolicy, "")
     rollout: RolloutPolicy = knob(RolloutPolicy, "")
     recorder: RecorderPolicy = knob(RecorderPolicy, "")
+    telemetry: TelemetryPolicy = knob(TelemetryPolicy, "")
     # Where the policy came from (for status and reload), not a YAML key.
     source: str = field(default="<memory>", metadata={"internal": True})
 

@@ -78,11 +78,17 @@ class ServerPolicy:
         "info", "Log level.", restart=True
     )
     shutdown_grace_s: float = knob(
-        10.0, "Seconds in-flight requests get to finish on shutdown.", ge=0, restart=True
+        10.0,
+        "Seconds in-flight requests get to finish on SIGTERM/SIGINT, while `/readyz` "
+        "answers 503 and new API requests 503 with `Retry-After`; the process exits as "
+        "soon as the last one ends.",
+        ge=0,
+        restart=True,
     )
     watch_policy: bool = knob(
         False,
         "Reload the policy when its file, or the FAQ file it names, changes "
-        "(besides SIGHUP and the API).",
+        "(besides SIGHUP and the API); a Kubernetes ConfigMap update (the kubelet's "
+        "`..data` symlink swap) counts.",
     )
     watch_interval_s: float = knob(2.0, "How often the policy file is checked when watched.", gt=0)

@@ -3,7 +3,8 @@ requests that pass, the evaluation loop, the rollback bundle and the saved
 state.
 
 Per request (only while a rollout runs): one hash for the sticky bucket at
-routing, one `Gates.observe` at the finish. A candidate failure counts
+routing (none for a request that cannot go to the candidate), one
+`Gates.observe` at the finish. A candidate failure counts
 against it when it is its own: definitive (refused, engine death, OOM), a
 stream it cut mid-answer, or a failure before the first byte of a request
 that another backend then answered — the same request was fine elsewhere,
@@ -18,6 +19,17 @@ recorder runs, `recording.jsonl` (its last ten minutes, replayable with
 `brownout replay --trace`), written off the loop into
 a temporary directory renamed into place (atomic); a write that fails is
 shown in status (`bundle_error`), never raised.
+
+`errors.jsonl`: each arm's last `ERRORS_KEPT` failures. A failed attempt is
+recorded the moment the outcome inbox learns of it (`attempt_failed`), not
+when its request ends: a request that failed on the candidate and is still
+being answered by the primary when the health gate (the candidate's /health,
+its breaker) rolls back is in the bundle. The request's end completes its
+record (`answered_by`, `client_status`, `outcome`, `counted`); a record still
+in flight at the rollback shows them as null. The bundle is the evidence at
+the rollback moment, built then and written once: a failure known only after
+the rollback (an attempt cut as the candidate goes down) is not added to it
+(it is in the access log, by request id).
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ STATE_FILE = "state.json"
 ERRORS_KEPT = 200  # error records per arm kept for the bundle
 BUNDLE_RECORDING_S = 600.0  # the flight recording's last minutes in a bundle
 TIMELINE_KEPT = 5000
+OPEN_KEPT = 2 * ERRORS_KEPT  # error records of requests not finished yet
 
 
 class Canary:
@@ -94,34 +107,41 @@ class Canary:
             "primary": collections.deque(maxlen=ERRORS_KEPT),
             "candidate": collections.deque(maxlen=ERRORS_KEPT),
         }
+        # Request id → its error records not completed by its finish yet.
+        self._open: dict[str, list[dict[str, Any]]] = {}
         self.timeline: collections.deque[dict[str, Any]] = collections.deque(maxlen=TIMELINE_KEPT)
         self.report: GateReport | None = None
         self.bundles: list[str] = []
         self.bundle_error: str | None = None
         self.state_error: str | None = None
+        # The sticky key's header, found once per policy (not per request).
         sticky = rp.sticky
-        self._header = sticky[7:] if sticky.startswith("header:") else None
+        self._key_header: str | None = (
+            "X-Session-Id"
+            if sticky == "session"
+            else sticky[7:]
+            if sticky.startswith("header:")
+            else None
+        )
+        self._key_is_api_key = sticky == "api_key"
         self._wall_offset = time.time() - clock()
 
     # -- per request ---------------------------------------------------------------
 
     def bucket_of(self, rec: RequestRecord) -> float:
-        headers = rec.request.headers
-        sticky = self.policy.sticky
-        if sticky == "session":
-            key = headers.get("X-Session-Id")
-        elif sticky == "api_key":
-            key = bearer_token(headers.get("Authorization"))
-        elif self._header is not None:
-            key = headers.get(self._header)
+        name = self._key_header
+        if name is not None:
+            key = rec.request.headers.get(name)
+        elif self._key_is_api_key:
+            key = bearer_token(rec.request.headers.get("Authorization"))
         else:
             key = None
         # No key (a request without a session id, say): a bucket of its own.
         return bucket(key) if key else random_bucket()
 
     def wants_candidate(self, rec: RequestRecord) -> bool:
-        ro = self.rollout
-        return ro.routing and ro.arm(self.bucket_of(rec), rec.priority) == "candidate"
+        cut = self.rollout.cut(rec.priority)
+        return cut > 0.0 and self.bucket_of(rec) < cut
 
     def maybe_mirror(self, rec: RequestRecord, cand: Upstream) -> None:
         """The mirror state: a share of live requests is copied to the
@@ -178,10 +198,53 @@ class Canary:
                 "candidate", now, latency_s=loop.time() - t0, ttft_s=ttft if stream else None
             )
 
+    def attempt_failed(
+        self, rid: str, arm: str, status: int, fault: str, detail: str, attribution: str
+    ) -> None:
+        """A failed attempt of request `rid` on `arm`, recorded for the bundle
+        the moment it is known (the outcome inbox calls this; the gates judge
+        the request at its finish). Not a sample: no gate sees it."""
+        ring = self.errors.get(arm)
+        if ring is None or self.rollout.state not in RUNNING:
+            return
+        # A primary failure never counts; a definitive candidate one always
+        # does; any other waits for the request's end (answered elsewhere?).
+        counted: bool | None = None
+        if arm != "candidate":
+            counted = False
+        elif fault in DEFINITIVE:
+            counted = True
+        entry: dict[str, Any] = {
+            "at": round(time.time(), 3),
+            "request_id": rid,
+            "arm": arm,
+            "status": status,
+            "fault": fault,
+            "detail": detail[:500],
+            "attribution": attribution,
+            "answered_by": None,
+            "client_status": None,
+            "outcome": None,
+            "counted": counted,
+        }
+        ring.append(entry)
+        opened = self._open.get(rid)
+        if opened is None:
+            if len(self._open) >= OPEN_KEPT:  # a request that never finished
+                del self._open[next(iter(self._open))]
+            opened = self._open[rid] = []
+        opened.append(entry)
+
     def finished(self, rec: RequestRecord, term: Terminal, elapsed: float) -> None:
         """One request's end, while a rollout runs: the gates' sample."""
+        opened = self._open.pop(rec.rid, None) if self._open else None
         if self.rollout.state not in RUNNING:
             return
+        if opened:
+            for entry in opened:  # its failed attempts, recorded when they failed
+                entry["answered_by"] = term.backend
+                entry["client_status"] = term.status
+                entry["outcome"] = term.outcome
         now = self.clock()
         fault = rec.candidate_fault
         arm = term.backend
@@ -195,7 +258,7 @@ class Canary:
                 or arm == "candidate"
                 or (term.status < 400 and not term.stream_error)
             )
-            self._error(rec, "candidate", term, fault, counted=own)
+            self._error(rec, "candidate", term, fault, opened, counted=own)
             if own:
                 hard = self.gates.observe(
                     "candidate", now, latency_s=None, ttft_s=None, failed=True, oom=fault == "oom"
@@ -206,25 +269,42 @@ class Canary:
         if arm not in ("primary", "candidate"):
             return
         if term.status >= 500 or term.stream_error:
-            self._error(rec, arm, term, term.stream_error or f"http_{term.status}", counted=False)
+            fault = term.stream_error or f"http_{term.status}"
+            self._error(rec, arm, term, fault, opened, counted=False)
         if term.status >= 400 or term.outcome == "client_disconnect":
             return  # no latency sample: not an answer
         ttft = term.client_ttft if rec.stream else None
         self.gates.observe(arm, now, latency_s=elapsed, ttft_s=ttft)  # type: ignore[arg-type]
 
     def _error(
-        self, rec: RequestRecord, arm: str, term: Terminal, fault: str, *, counted: bool
+        self,
+        rec: RequestRecord,
+        arm: str,
+        term: Terminal,
+        fault: str,
+        opened: list[dict[str, Any]] | None,
+        *,
+        counted: bool,
     ) -> None:
+        """The request's failure on `arm`: its attempt's record completed
+        (recorded when it failed), else a record of the request's end."""
+        mine = [e for e in opened or () if e["arm"] == arm]
+        if mine:
+            for entry in mine:
+                entry["counted"] = counted
+            return
         self.errors[arm].append(
             {
                 "at": round(time.time(), 3),
                 "request_id": rec.rid,
                 "arm": arm,
-                "answered_by": term.backend,
                 "status": term.status,
-                "outcome": term.outcome,
                 "fault": fault,
                 "detail": term.detail,
+                "attribution": None,
+                "answered_by": term.backend,
+                "client_status": term.status,
+                "outcome": term.outcome,
                 "counted": counted,
             }
         )
@@ -247,7 +327,8 @@ class Canary:
             why = (
                 cand.health.last_error if cand.down else f"breaker open: {cand.breaker.last_reason}"
             )
-            self.roll_back(self.gates.unhealthy(now, f"candidate unhealthy: {why}"))
+            # The gate says "candidate unhealthy: …" itself.
+            self.roll_back(self.gates.unhealthy(now, why or "health check failed"))
             return
         report = self.gates.evaluate(now)
         self.report = report
@@ -374,6 +455,11 @@ class Canary:
         why = self.rollout.act(action, self.clock())
         if not why and action in ("start", "resume"):
             self.gates.reset()
+        if not why and action == "start":
+            # A new rollout's bundle holds its own errors, not an earlier one's.
+            for ring in self.errors.values():
+                ring.clear()
+            self._open.clear()
         return why
 
     # -- events, state, status ------------------------------------------------------------
@@ -460,7 +546,7 @@ class Canary:
         self.rollout.restore(prev.rollout.to_state(), self.clock())
         self.rollout.history = prev.rollout.history
         self.rollout.started_at = prev.rollout.started_at
-        self.errors, self.timeline = prev.errors, prev.timeline
+        self.errors, self.timeline, self._open = prev.errors, prev.timeline, prev._open
         self.bundles = prev.bundles
 
     def snapshot(self) -> dict[str, Any]:

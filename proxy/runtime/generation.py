@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import Counter
@@ -30,7 +30,7 @@ from proxy.control.maintenance import Maintenance
 from proxy.control.pressure import PressureMonitor, next_limit
 from proxy.control.shared import BreakerId, SharedState
 from proxy.guard.compiled import Guard
-from proxy.policy import Grant, Policy, Priority, parse_key_priorities
+from proxy.policy import Grant, Policy, Priority, parse_key_priorities, policy_hash
 from proxy.runtime.canary import Canary
 from proxy.runtime.status import status_of
 from proxy.runtime.supervise import Supervisor
@@ -40,6 +40,9 @@ from proxy.sessions.saves import PendingSaves
 from proxy.sessions.store import MemorySessionStore, SessionStore
 from proxy.telemetry.metrics import BackendMetrics, Metrics
 from proxy.telemetry.recorder import Recorder
+
+if TYPE_CHECKING:
+    from proxy.telemetry.tracing import Tracing
 
 log = structlog.get_logger("brownout.ladder")
 
@@ -94,7 +97,10 @@ class Runtime:
         )
         self._estimate = EstimateTokenCounter()
         self.guard: Guard | None = Guard(pol.guard) if pol.guard.enabled else None
+        self.policy_hash = policy_hash(pol)
         self.shared: SharedState | None = None
+        # Traces (`telemetry.otlp_endpoint`): set up with the backends, else None.
+        self.tracing: Tracing | None = None
         self._applying_remote = False
         # The gray release of backends.candidate (proxy.runtime.canary).
         self.canary: Canary | None = (
@@ -115,6 +121,8 @@ class Runtime:
         m.upstream_waiting.set_function(lambda: self.pressure.engine.waiting)
         m.upstream_running.set_function(lambda: self.pressure.engine.running)
         m.upstream_kv_cache.set_function(lambda: self.pressure.engine.kv_cache)
+        m.engine_queue.source = lambda: self.pressure.engine.queue_time
+        m.set_policy_hash(self.policy_hash)
         m.session_saves_waiting.set_function(lambda: len(self.pending_saves))
         m.session_store_up.set_function(lambda: 1 if self.store.healthy else 0)
         m.shared_up.set_function(

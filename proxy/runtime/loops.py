@@ -213,11 +213,15 @@ async def flush_saves_forever(state: ProxyState, sleep: Sleep = asyncio.sleep) -
             await rt.pending_saves.flush(rt.store)
 
 
-Stamp = tuple[float, int] | None
+Stamp = tuple[int, int, int] | None
 
 
 def _watched(path: str, faq_file: str | None) -> tuple[Stamp, ...]:
-    """(mtime, size) of the policy file and of the FAQ file it names (None: missing)."""
+    """(mtime, size, inode) of the policy file and of the FAQ file it names
+    (None: missing), through symlinks: a Kubernetes ConfigMap mount is
+    `policy.yaml -> ..data/policy.yaml`, and the kubelet's update renames a new
+    `..data` over the old, so the file behind the path is another inode even
+    when its size and mtime match the old one's."""
     paths = [path]
     if faq_file:
         paths.append(os.path.join(os.path.dirname(path), faq_file))
@@ -225,7 +229,7 @@ def _watched(path: str, faq_file: str | None) -> tuple[Stamp, ...]:
     for p in paths:
         try:
             st = os.stat(p)
-            sigs.append((st.st_mtime, st.st_size))
+            sigs.append((st.st_mtime_ns, st.st_size, st.st_ino))
         except OSError:
             sigs.append(None)
     return tuple(sigs)

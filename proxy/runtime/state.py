@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -44,11 +44,16 @@ from proxy.policy.diff import RESTART_MARK
 from proxy.policy.recorder import RecorderPolicy
 from proxy.runtime.canary import read_state
 from proxy.runtime.generation import Runtime
+from proxy.runtime.shutdown import Draining
 from proxy.runtime.supervise import Body, Supervisor
 from proxy.sessions.counters import HFTokenCounter
 from proxy.sessions.store import SessionStore, make_store, store_identity
 from proxy.telemetry.metrics import TIER_VALUES, Metrics
 from proxy.telemetry.recorder import Recorder
+
+if TYPE_CHECKING:
+    from proxy.policy.telemetry import TelemetryPolicy
+    from proxy.telemetry.tracing import Tracing
 
 log = structlog.get_logger("brownout.policy")
 
@@ -64,6 +69,7 @@ class _Built:
     upstreams: list[Upstream] = dataclasses.field(default_factory=list)
     store: SessionStore | None = None
     shared: SharedState | None = None
+    tracing: Tracing | None = None
 
     async def close(self) -> None:
         for up in self.upstreams:
@@ -75,6 +81,9 @@ class _Built:
         if self.shared is not None:
             with contextlib.suppress(Exception):
                 await self.shared.close()
+        if self.tracing is not None:
+            with contextlib.suppress(Exception):
+                await close_tracing(self.tracing)
 
 
 LoopSpec = Callable[["ProxyState"], Mapping[str, Body]]
@@ -101,6 +110,8 @@ class ProxyState:
         self._queued = False  # a coalesced reload waits for the lock
         self._drains: set[asyncio.Task[None]] = set()
         self._loops: LoopSpec | None = None
+        # SIGTERM's drain (proxy.runtime.shutdown): /readyz and the ingress read it.
+        self.shutdown = Draining()
         metrics.inflight.set_function(lambda: sum(r.inflight for r in self.live))
         metrics.tier.set_function(lambda: TIER_VALUES[self.current.tier])
 
@@ -267,6 +278,14 @@ class ProxyState:
             rt.shared = prev.shared
         elif shared.redis:
             rt.shared = built.shared = SharedState(shared)
+        tel = pol.telemetry
+        if not tel.otlp_endpoint:
+            pass
+        elif prev is not None and prev.tracing is not None and prev.policy.telemetry == tel:
+            rt.tracing = prev.tracing
+        else:
+            # Off the loop: the SDK's first import takes a moment.
+            rt.tracing = built.tracing = await asyncio.to_thread(open_tracing, tel, self.metrics)
 
     def _commit(self, new: Runtime, old: Runtime) -> None:
         """The swap: nothing here awaits or does I/O, so it cannot half happen."""
@@ -419,11 +438,14 @@ class ProxyState:
             await rt.store.close()
         if rt.shared is not None and all(r.shared is not rt.shared for r in keep):
             await rt.shared.close()
+        if rt.tracing is not None and all(r.tracing is not rt.tracing for r in keep):
+            await close_tracing(rt.tracing)
 
     def status(self) -> dict[str, Any]:
         body = self.current.status()
         body["policy"] = {
             "source": self.current.policy.source,
+            "hash": self.current.policy_hash,  # = brownout_build_info{policy_hash}
             "loaded_at": round(self.loaded_at, 3),
             "last_reload": self.last_reload,
             "generations_live": len(self.live),
@@ -435,6 +457,23 @@ class ProxyState:
             "errors": self.supervisor.errors(),
         }
         return body
+
+
+def open_tracing(pol: TelemetryPolicy, metrics: Metrics) -> Tracing:
+    """The tracer `telemetry.otlp_endpoint` asks for (the SDK is an optional extra)."""
+    try:
+        from proxy.telemetry.tracing import Tracing
+    except ImportError as exc:
+        raise RuntimeError(
+            "telemetry.otlp_endpoint is set but the OpenTelemetry SDK is not installed: "
+            f"pip install 'brownout[otel]' ({exc})"
+        ) from None
+    return Tracing(pol, metrics.trace_spans)
+
+
+async def close_tracing(tracing: Tracing) -> None:
+    """Export what is queued (within the export timeout), off the loop."""
+    await asyncio.to_thread(tracing.shutdown, tracing.policy.export_timeout_s)
 
 
 def upstream_of(state: ProxyState, name: str) -> Upstream | None:

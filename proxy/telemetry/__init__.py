@@ -1,2 +1,3 @@
-"""Prometheus metrics (every one defined in `metrics`) and the non-blocking
-log writer (`logs`)."""
+"""Prometheus metrics (every one defined in `metrics`), the non-blocking
+log writer (`logs`) and OpenTelemetry traces (`tracing`: imported only when
+the policy names a collector, the SDK being an optional extra)."""

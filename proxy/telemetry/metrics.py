@@ -6,15 +6,31 @@ so the request path never pays for `.labels()` lookups it can avoid.
 
 from __future__ import annotations
 
+import platform
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from proxy import __version__
 from proxy.telemetry.logs import lines_dropped
 
 # TTFT and durations of LLM calls span milliseconds (a cached prefix) to
@@ -23,7 +39,118 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 # Time spent inside the proxy itself: sub-millisecond is the goal.
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
+# Time between tokens and per output token: vLLM's own buckets from 10 ms up,
+# and below them what a proxy sees when several events arrive in one read.
+_TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
+# Distinct `model` label values per backend on the token counters; more are
+# counted as "other" (the label comes from requests, bounded by what the
+# backends answer, and bounded again here).
+MAX_MODEL_LABELS = 32
+
 TIER_VALUES = {"normal": 0, "throttle": 1, "failover": 2, "maintenance": 3}
+
+
+class Buckets:
+    """One histogram child without prometheus-client's per-observation lock
+    and bookkeeping: a list of bucket counts and a sum, updated on the event
+    loop (one bisect and two additions), read by `HistogramFamily` at scrape
+    time. For what is observed per stream region (inter-token latency)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def add(self, total: float, n: int) -> None:
+        """`n` observations of `total / n` each (n ≥ 1)."""
+        self.counts[bisect_left(self.bounds, total / n)] += n
+        self.sum += total
+
+
+class HistogramFamily(Collector):
+    """A histogram of `Buckets` children by one label, exposed like
+    prometheus-client's own (`_bucket{le}`, `_sum`, `_count`)."""
+
+    def __init__(self, name: str, doc: str, label: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc, self.label, self.bounds = name, doc, label, bounds
+        self.children: dict[str, Buckets] = {}
+
+    def child(self, value: str) -> Buckets:
+        c = self.children.get(value)
+        if c is None:
+            c = self.children[value] = Buckets(self.bounds)
+        return c
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.doc, labels=[self.label])
+
+    def collect(self) -> Iterator[Metric]:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=[self.label])
+        les = [*(_le(b) for b in self.bounds), "+Inf"]
+        for value, c in sorted(self.children.items()):
+            counts, total = list(c.counts), c.sum
+            cumulative, acc = [], 0
+            for le, n in zip(les, counts, strict=True):
+                acc += n
+                cumulative.append((le, float(acc)))
+            fam.add_metric([value], cumulative, total)
+        yield fam
+
+
+class CounterFamily(Collector):
+    """Counters by a fixed label set without prometheus-client's per-increment
+    lock and checks: a one-element list per child, added to on the event
+    loop, read at scrape time (`<name>_total`). For what is counted per
+    request with several labels (tokens)."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.children: dict[tuple[str, ...], list[float]] = {}
+
+    def child(self, values: tuple[str, ...]) -> list[float]:
+        c = self.children.get(values)
+        if c is None:
+            c = self.children[values] = [0.0]
+        return c
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+        for values, c in sorted(self.children.items()):
+            fam.add_metric(list(values), c[0])
+        yield fam
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +160,8 @@ class BackendMetrics:
     ttft: Histogram
     duration: Histogram
     upstream_errors: Counter
+    inter_token: Buckets
+    per_output_token: Buckets
 
 
 @dataclass
@@ -365,6 +494,54 @@ class Metrics:
             "Policy reloads rejected (the running policy stayed).",
             registry=r,
         )
+        self.trace_spans = Counter(
+            "brownout_trace_spans",
+            "Trace spans by what became of them: exported, failed (the collector refused "
+            "them or could not be reached), dropped (the export queue was full).",
+            ["result"],
+            registry=r,
+        )
+        # -- tokens (from the answers' `usage`) and decode speed -----------------
+        self.prompt_tokens = CounterFamily(
+            "brownout_prompt_tokens",
+            "Prompt tokens of answered requests, as the backend's `usage` counted them, by "
+            "backend, model and tier (a rescued stream's continuation counts the partial "
+            "answer it was given as prompt, on the fallback).",
+            ("backend", "model", "tier"),
+        )
+        r.register(self.prompt_tokens)
+        self.completion_tokens = CounterFamily(
+            "brownout_completion_tokens",
+            "Completion tokens of answered requests, as the backend's `usage` counted them, by "
+            "backend, model and tier.",
+            ("backend", "model", "tier"),
+        )
+        r.register(self.completion_tokens)
+        self.inter_token = HistogramFamily(
+            "brownout_inter_token_seconds",
+            "Time between a stream's content events as they reached the proxy, by backend "
+            "(events that arrived in one read share the gap).",
+            "backend",
+            _TOKEN_BUCKETS,
+        )
+        r.register(self.inter_token)
+        self.per_output_token = HistogramFamily(
+            "brownout_time_per_output_token_seconds",
+            "Per stream: time from its first to its last event over its completion tokens "
+            "after the first (usage), by backend.",
+            "backend",
+            _TOKEN_BUCKETS,
+        )
+        r.register(self.per_output_token)
+        self.build_info = Info(
+            "brownout_build",
+            "Brownout's version, the Python running it and the hash of the policy in force.",
+            registry=r,
+        )
+        self.build_info.info(build_labels(""))
+        self.engine_queue = _EngineQueue()
+        r.register(self.engine_queue)
+
         self.loop_errors = Counter(
             "brownout_loop_errors",
             "Unexpected exceptions in background work (the loop went on after a backoff).",
@@ -374,6 +551,10 @@ class Metrics:
         r.register(_LogDrops())
         self._recorder_source: Callable[[], Any] = lambda: None
         r.register(_RecorderStats(lambda: self._recorder_source()))
+        # CPU, memory, open files, start time of this process (`process_*`).
+        ProcessCollector(registry=r)
+        self._token_children: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
+        self._models: dict[str, set[str]] = {}
 
     def watch_recorder(self, source: Callable[[], Any]) -> None:
         """Where the flight recorder's counters are read at scrape time."""
@@ -384,10 +565,69 @@ class Metrics:
             ttft=self.ttft.labels(name),
             duration=self.duration.labels(name),
             upstream_errors=self.upstream_errors.labels(name, "connect"),
+            inter_token=self.inter_token.child(name),
+            per_output_token=self.per_output_token.child(name),
         )
+
+    def count_tokens(
+        self, backend: str, model: str, tier: str, prompt: int, completion: int
+    ) -> None:
+        key = (backend, model, tier)
+        pair = self._token_children.get(key)
+        if pair is None:
+            seen = self._models.setdefault(backend, set())
+            if model not in seen:
+                if len(seen) >= MAX_MODEL_LABELS or len(model) > 128:
+                    model = "other"
+                else:
+                    seen.add(model)
+            pair = (
+                self.prompt_tokens.child((backend, model, tier)),
+                self.completion_tokens.child((backend, model, tier)),
+            )
+            self._token_children[key] = pair
+        pair[0][0] += prompt
+        pair[1][0] += completion
+
+    def set_policy_hash(self, digest: str) -> None:
+        self.build_info.info(build_labels(digest))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def build_labels(policy_hash: str) -> dict[str, str]:
+    return {
+        "version": __version__,
+        "python": platform.python_version(),
+        "policy_hash": policy_hash,
+    }
+
+
+class _EngineQueue(Collector):
+    """vLLM's own queue time (`vllm:request_queue_time_seconds`, its sum and
+    count over engines) as the last scrape of the primary read it: its mean
+    over a window is rate(_sum) / rate(_count). Read at scrape time from
+    `source` (bound to the live generation's pressure monitor)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], tuple[float, float] | None] = lambda: None
+
+    def describe(self) -> Iterator[Metric]:
+        yield SummaryMetricFamily("brownout_upstream_request_queue_time_seconds", "", labels=[])
+
+    def collect(self) -> Iterator[Metric]:
+        fam = SummaryMetricFamily(
+            "brownout_upstream_request_queue_time_seconds",
+            "vLLM's request queue time (scraped from the primary, summed over engines): "
+            "the engine's own wait before a request starts, not Brownout's admission queue.",
+            labels=[],
+        )
+        got = self.source()
+        if got is not None:
+            count, total = got
+            fam.add_metric([], count_value=int(count), sum_value=total)
+        yield fam
 
 
 class _LogDrops(Collector):

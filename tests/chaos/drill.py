@@ -312,7 +312,6 @@ class ProxyProc:
 # Strings of nginx/brownout.conf the drills rewrite (production → test values).
 UPSTREAM_LINE = "server 127.0.0.1:8080;"
 LISTEN_LINE = "listen 80;"
-PAGE_LINE = "alias /usr/share/nginx/brownout/maintenance.html;"
 EXEMPT_BLOCK = "geo $brownout_limit_exempt {\n    default 0;\n"
 
 
@@ -345,9 +344,6 @@ class NginxProc:
         site = site.replace(UPSTREAM_LINE, f"server 127.0.0.1:{self.upstream_port};")
         site = site.replace(LISTEN_LINE, f"listen 127.0.0.1:{self.port};")
         site = site.replace(EXEMPT_BLOCK, EXEMPT_BLOCK + "    127.0.0.1 1;\n")
-        page = ROOT / "nginx" / "maintenance.html"
-        if PAGE_LINE in site and page.exists():
-            site = site.replace(PAGE_LINE, f"alias {page};")
         (self.prefix / "site.conf").write_text(site)
         conf = self.prefix / "nginx.conf"
         p = self.prefix
@@ -745,6 +741,11 @@ class Load:
     def sessions(self) -> list[str]:
         return sorted({r.session for r in self.records})
 
+    @staticmethod
+    def session_id(run_id: str, group: str, i: int) -> str:
+        """The `X-Session-Id` of client `i` of a load group (also its request ids' prefix)."""
+        return f"{run_id}-{group}-{i}"
+
     def start(self, group: str, workers: int, think_s: float | None = None) -> None:
         """`workers` clients, each looping: ask, read the whole answer, think."""
         if group in self._groups:
@@ -752,7 +753,9 @@ class Load:
         stop = asyncio.Event()
         think = self.think_s if think_s is None else think_s
         tasks = [
-            asyncio.create_task(self._worker(f"{self.run_id}-{group}-{i}", group, stop, think))
+            asyncio.create_task(
+                self._worker(self.session_id(self.run_id, group, i), group, stop, think)
+            )
             for i in range(workers)
         ]
         self._groups[group] = _Group(stop, tasks)

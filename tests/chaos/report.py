@@ -6,10 +6,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests.chaos.badcanary import CANARY_STEPS, ROLLBACK_LIMIT_S, ROUTED_GRACE_S, CanarySummary
 from tests.chaos.hostile import HostileSummary
 from tests.chaos.scenarios import DrillResult, Durations
 
-__all__ = ["hostile_section", "render", "replay_section", "summary_table"]
+__all__ = ["canary_section", "hostile_section", "render", "replay_section", "summary_table"]
 
 
 def _s(x: float | None) -> str:
@@ -153,6 +154,103 @@ def hostile_section(h: HostileSummary) -> str:
     return "\n".join(out) + "\n"
 
 
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"
+
+
+def canary_section(s: CanarySummary, sent: int) -> str:
+    """Drill 9's own figures: the rollback, what users saw, the bundle."""
+    steps = len(CANARY_STEPS)
+    out = []
+    if s.rolled_back_at is not None:
+        step = (s.rolled_back_step or 0) + 1
+        out.append(
+            f"**Rollback: {_s(s.rollback_s)} after the fault** (goal ≤ {ROLLBACK_LIMIT_S:.0f} s), "
+            f"by gate `{s.failed_gate}` at step {step} of {steps}: {s.gate_detail or '—'}. "
+            f"Times: the proxy's own (its rollout history); `GET /brownout/rollout` "
+            f"(polled every 0.1 s) showed `rolled_back` {_s(s.polled_s)} after the fault. The "
+            f"candidate's first failed request came {_s(s.first_failure_s)} after the fault, "
+            f"the rollback {_s(s.detect_to_rollback_s)} after that."
+        )
+    else:
+        out.append(f"**No rollback** (state `{s.state}`).")
+    out.append(
+        f"\n**Requests that saw an error: {s.saw_error}** of {sent} (goal 0; explicit errors, "
+        "truncated answers and hung requests of the whole drill)."
+    )
+    failed = sum(s.candidate_failed.values())
+    out.append(
+        f"\nThe candidate failed {failed} of the load's requests ("
+        f"{_counts(s.candidate_failed)}: `oom` = a 500 before the first byte, `cut` = a "
+        "stream ended mid-answer by the engine error event); what their clients got: "
+        f"{_counts(s.failed_outcomes)}. Its other failed generation requests (the "
+        f"proxy's own recovery probes): {s.probes_failed}. The load's requests that reached "
+        f"the candidate more than {ROUTED_GRACE_S:g} s after the rollback: "
+        f"{s.users_after_rollback} (goal 0)."
+    )
+    spread = "; ".join(
+        f"step {i + 1} ({share:.0%}): {n} of {s.workers}"
+        for i, (share, n) in enumerate(zip(CANARY_STEPS, s.spread, strict=True))
+    )
+    out.append(
+        f"\nSessions on the candidate by their sticky bucket: {spread} (the run id, hence "
+        "the session ids, is drawn until at least one session is on the candidate at the "
+        "first step and two on each arm at the second)."
+    )
+    if s.arms:
+        names = sorted({b for arms in s.arms.values() for b in arms})
+        out.append(
+            "\n`X-Brownout-Backend` of the load's requests, by when they were sent "
+            "(`?`: no answer header):\n"
+        )
+        out.append("| stretch | " + " | ".join(names) + " |")
+        out.append("|---|" + "---:|" * len(names))
+        out.extend(
+            f"| {name} | " + " | ".join(str(arms.get(b, 0)) for b in names) + " |"
+            for name, arms in s.arms.items()
+        )
+    b = s.bundle
+    if b is None:
+        out.append("\n**Bundle:** none read.")
+    elif b.path is None:
+        out.append("\n**Bundle:** none written.")
+    else:
+        v = b.verdict
+        sizes = ", ".join(f"`{n}` {sz:,} B" for n, sz in b.sizes.items())
+        out.append(f"\n**Bundle** `{b.path}`: {sizes or 'no files'}.")
+        if v:
+            out.append(
+                f"- `verdict.json`: gate `{v.get('gate')}`, step {v.get('step')} (share "
+                f"{v.get('share')}), value {v.get('value')} / limit {v.get('limit')}, detail "
+                f"{v.get('detail')!r}; {len((v.get('gates') or {}).get('gates') or [])} gates "
+                "with their values per arm."
+            )
+        out.append(
+            f"- `errors.jsonl`: {b.errors_lines} lines ({_counts(b.errors_by_arm)} by arm)"
+            + (
+                " — empty: a failed request's record is written when the request ends "
+                "(`Canary.finished`), and none had ended when the gate fired"
+                if b.errors_lines == 0
+                else ""
+            )
+            + "."
+        )
+        out.append(
+            "- `metrics.prom`: `brownout_rollout_rollbacks_total` "
+            + (", ".join(f"{{gate={g}}} {x:g}" for g, x in b.metrics_rollbacks.items()) or "absent")
+            + "."
+        )
+        out.append(f"- `timeline.jsonl`: events {_counts(b.timeline_events)}.")
+        if b.problems:
+            out.append("- problems: " + "; ".join(b.problems))
+    if s.policy_added:
+        out.append(
+            "\nThe drill's policy: the stack's (at the end of this page) plus, by a reload:\n"
+        )
+        out.append("```yaml\n" + s.policy_added.strip() + "\n```")
+    return "\n".join(out) + "\n"
+
+
 def _drill_section(r: DrillResult) -> str:
     c, s = r.counts, r.sessions
     out = [f"## {r.number}. {r.title}\n"]
@@ -185,6 +283,8 @@ def _drill_section(r: DrillResult) -> str:
     out.append("")
     if r.hostile is not None:
         out.append(hostile_section(r.hostile))
+    if r.canary is not None:
+        out.append(canary_section(r.canary, c["sent"]))
     if r.phases:
         out.append(
             "| stretch | length | complete answers | of which maintenance | failed | answers/s |"
@@ -257,9 +357,10 @@ def render(
         summary_table(results),
         "Detect: the first tier change after each fault (the proxy's own transition "
         "time), or for faults that leave the tier alone the first sign the proxy noticed "
-        "(session store reported down, reload rejected). Back to normal: from the fault's "
-        "removal (vLLM healthy again, SIGCONT, Redis up, burst over, good policy "
-        "reloaded) until `/brownout/status` shows tier `normal` with no ramp (polled "
+        "(session store reported down, reload rejected; for the bad canary, the rollout's "
+        "rollback). Back to normal: from the fault's removal (vLLM healthy again, "
+        "SIGCONT, Redis up, burst over, good policy reloaded, the candidate healthy "
+        "again) until `/brownout/status` shows tier `normal` with no ramp (polled "
         "every 0.2 s). Explicit errors include 429 sheds (Retry-After) during overload.\n",
     ]
     problems = [f"- drill {r.number} ({r.title}): {p}" for r in results for p in r.problems]

@@ -1,4 +1,4 @@
-"""The eight drills, how one is run, and what it must show.
+"""The nine drills, how one is run, and what it must show.
 
 Each drill: a steady load (N clients, one session each) runs through nginx;
 after a warm-up the fault is injected (`DrillContext.fault`), held, then
@@ -34,6 +34,18 @@ from typing import Any, Literal
 import aiohttp
 import redis.asyncio as aioredis
 
+from tests.chaos.badcanary import (
+    CANARY_STEPS,
+    Bundle,
+    CanarySummary,
+    CandidateProc,
+    canary_policy,
+    canary_problems,
+    canary_sections,
+    pick_run_id,
+    read_bundle,
+    summarize,
+)
 from tests.chaos.drill import (
     ADMIN_TOKEN,
     Load,
@@ -52,8 +64,8 @@ from tests.chaos.hostile import (
     HostileSummary,
     hostile_policy,
     metric_values,
-    summarize,
 )
+from tests.chaos.hostile import summarize as summarize_hostile
 from tests.chaos.replay import replay_drill, replay_problems
 from tests.harness.procs import is_alive
 
@@ -93,6 +105,10 @@ class Durations:
     hostile_total_s: float = 30.0  # timeouts.total_s of both backends, in drill 8
     hostile_enum: int = 100_000  # entries of the hostile enum schema
     hostile_burst: int = 4  # poison requests at once (retry amplification)
+    canary_step_s: float = 20.0  # rollout.step_s in drill 9
+    canary_hold_s: float = 10.0  # on the second step before the candidate degrades
+    canary_after_s: float = 20.0  # the fault held after the rollback (load on the primary)
+    canary_rollback_wait_s: float = 90.0  # how long the drill waits for the rollback
 
 
 LONG = Durations()
@@ -106,6 +122,9 @@ SHORT = Durations(
     redis_down_s=4.0,
     reload_gap_s=2.0,
     hostile_s=20.0,
+    canary_step_s=8.0,
+    canary_hold_s=2.0,
+    canary_after_s=4.0,
 )
 
 
@@ -116,7 +135,7 @@ SHORT = Durations(
 class Fault:
     label: str
     t: float
-    detect: Literal["tier", "store", "reload", "none"] = "tier"
+    detect: Literal["tier", "store", "reload", "rollout", "none"] = "tier"
     detected_at: float | None = None  # set by the drill for non-tier faults
     detect_s: float | None = None  # filled in at the end
 
@@ -125,6 +144,19 @@ class Fault:
 class Mark:
     t: float
     text: str
+
+
+@dataclass
+class CanaryRun:
+    """What drill 9 leaves for `run_drill` to sum up once the load stopped."""
+
+    run_id: str
+    rollout: dict[str, Any]
+    fault: dict[str, Any]
+    degraded_at: float | None
+    polled_at: float | None
+    bundle: Bundle | None
+    policy_added: str = ""  # the candidate's and the rollout's policy lines
 
 
 @dataclass
@@ -162,11 +194,16 @@ class DrillContext:
         self.notes: list[str] = []
         self.facts: dict[str, Any] = {}
         self.hostile: HostileRun | None = None
+        self.canary: CanaryRun | None = None
 
     def fault(
-        self, label: str, detect: Literal["tier", "store", "reload", "none"] = "tier"
+        self,
+        label: str,
+        detect: Literal["tier", "store", "reload", "rollout", "none"] = "tier",
+        at: float | None = None,
     ) -> Fault:
-        f = Fault(label, time.time(), detect)
+        """A fault injected now (or at `at`, when the component that injected it says when)."""
+        f = Fault(label, time.time() if at is None else at, detect)
         self.faults.append(f)
         self.marks.append(Mark(f.t, f"FAULT: {label}"))
         return f
@@ -218,11 +255,19 @@ class DrillContext:
             self.note(f"{what}: the reload was not reported ok within 10 s")
         return s is not None
 
-    async def admin(self, path: str) -> tuple[int, Any]:
+    async def admin(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
         async with self.http.post(
-            self.stack.proxy.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            self.stack.proxy.url + path,
+            json=body,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         ) as resp:
             return resp.status, await resp.json()
+
+    async def admin_get(self, path: str) -> Any:
+        async with self.http.get(
+            self.stack.proxy.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        ) as resp:
+            return await resp.json()
 
 
 # --------------------------------------------------------------------------- the drills
@@ -472,6 +517,149 @@ async def drill_hostile(ctx: DrillContext) -> None:
     await ctx.reload(good, "the good policy back")
 
 
+async def _rollout_until(
+    ctx: DrillContext, pred: Callable[[dict[str, Any]], bool], limit_s: float
+) -> tuple[dict[str, Any], float | None]:
+    """Poll GET /brownout/rollout (every 0.1 s) until `pred` holds: the last
+    answer, and the wall time it was seen (None after `limit_s`)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        snap: dict[str, Any] = await ctx.admin_get("/brownout/rollout")
+        if pred(snap):
+            return snap, time.time()
+        if time.monotonic() > deadline:
+            return snap, None
+        await asyncio.sleep(0.1)
+
+
+async def _fault_mode(
+    ctx: DrillContext, cand: CandidateProc, mode: str, **wait: float
+) -> dict[str, Any]:
+    """Switch the fault proxy (see tests.chaos.faultproxy): its answer, with
+    the time of the switch (`at`)."""
+    async with ctx.http.post(cand.url + "/_fault", json={"mode": mode, **wait}) as resp:
+        body: dict[str, Any] = await resp.json()
+        if resp.status != 200:
+            raise DrillError(f"the fault proxy answered {resp.status}: {body}")
+        return body
+
+
+def _rollout_marks(ctx: DrillContext, snap: dict[str, Any]) -> None:
+    for h in snap.get("history") or []:
+        i = int(h["step"])
+        share = CANARY_STEPS[i] if 0 <= i < len(CANARY_STEPS) else float(h["share"])
+        step = f"step {i + 1} of {len(CANARY_STEPS)} ({share:.0%})"
+        text = {
+            "started": f"rollout started: {step}",
+            "step": f"rollout: {step}",
+            "rolled_back": f"rollout ROLLED BACK at {step}: {h.get('gate')}: {h.get('detail')}",
+        }.get(str(h.get("change")), f"rollout: {h.get('change')} ({step})")
+        ctx.marks.append(Mark(float(h["at"]), _short(text, 160)))
+
+
+async def drill_bad_canary(ctx: DrillContext) -> None:
+    """9. A gray release (issue 21) whose candidate runs out of memory at its
+    second step under load; the proxy must roll back by itself."""
+    stack = ctx.stack
+    good = stack.policy_text()
+    run_id = ctx.load.run_id
+    cand = CandidateProc(stack.vllm.base_url, stack.workdir / f"candidate-{run_id}.log")
+    run = CanaryRun(run_id, {}, {}, None, None, None)
+    ctx.canary = run
+    await in_owner_thread(cand.start)
+    try:
+        snapdir = stack.workdir / f"rollouts-{run_id}"
+        policy = canary_policy(good, cand.url, snapdir, ctx.d.canary_step_s)
+        run.policy_added = "backends:\n  ...\n" + "\n".join(
+            canary_sections(good, cand.url, snapdir, ctx.d.canary_step_s)
+        )
+        await _bad_canary(ctx, cand, run, policy)
+    finally:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            run.rollout = await ctx.admin_get("/brownout/rollout")
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with ctx.http.get(cand.url + "/_fault") as resp:
+                run.fault = await resp.json()
+        await ctx.reload(good, "the stack's policy back (no candidate)")
+        await in_owner_thread(cand.stop)
+    snap = run.rollout
+    _rollout_marks(ctx, snap)
+    if snap.get("bundle_error"):
+        ctx.note(f"bundle_error in the rollout status: {snap['bundle_error']}")
+    rolled = [h for h in snap.get("history") or [] if h.get("change") == "rolled_back"]
+    if snap.get("state") == "rolled_back" and rolled:
+        bundles = snap.get("bundles") or []
+        run.bundle = await asyncio.to_thread(
+            read_bundle,
+            bundles[-1] if bundles else None,
+            str(snap.get("id") or ""),
+            str(snap.get("failed_gate") or ""),
+            int(rolled[-1]["step"]),
+        )
+
+
+async def _bad_canary(ctx: DrillContext, cand: CandidateProc, run: CanaryRun, policy: str) -> None:
+    d = ctx.d
+    await ctx.reload(policy, "drill policy")
+    steps = ", ".join(f"{s:.0%}" for s in CANARY_STEPS)
+    ctx.info(
+        f"drill policy: backends.candidate = the fault proxy in front of vLLM; rollout "
+        f"steps {steps}, step_s {d.canary_step_s:g} s"
+    )
+    snap, seen = await _rollout_until(
+        ctx, lambda s: (s.get("candidate") or {}).get("healthy") is True, 15
+    )
+    if seen is None:
+        raise DrillError(f"the candidate was not reported healthy within 15 s: {snap}")
+    code, body = await ctx.admin("/brownout/rollout", {"action": "start"})
+    if code != 200:
+        raise DrillError(f"POST /brownout/rollout start answered {code}: {body}")
+    limit = 3 * d.canary_step_s + 30
+    snap, seen = await _rollout_until(
+        ctx, lambda s: s.get("state") != "step" or (s.get("step") or 0) >= 1, limit
+    )
+    if seen is None or snap.get("state") != "step" or snap.get("step") != 1:
+        ctx.note(
+            f"the rollout did not stop at its second step within {limit:.0f} s: state "
+            f"{snap.get('state')}, step {snap.get('step')}, gate "
+            f"{snap.get('failed_gate')}: {snap.get('reason')}"
+        )
+        return
+    await asyncio.sleep(d.canary_hold_s)
+    # The switch waits (inside the fault proxy) for a stream under way on the
+    # candidate that it can cut mid-answer; bounded, so the fault lands inside the step.
+    limit_s = max(0.5, d.canary_step_s - d.canary_hold_s - 1.5)
+    switched = await _fault_mode(ctx, cand, "oom", wait_streams=1, limit_s=limit_s)
+    run.degraded_at = float(switched["at"])
+    ctx.marks.append(
+        Mark(
+            run.degraded_at,
+            f"{switched['early']} request(s) in flight on the candidate, not yet "
+            "16 events into their answer, when the fault hits",
+        )
+    )
+    f = ctx.fault(
+        "the candidate runs out of memory at the second step (50 %): its streams end "
+        "mid-answer (after 16 events) with vLLM's engine error event, new generation "
+        "requests get 500 CUDA out of memory, its /health stays 200",
+        detect="rollout",
+        at=run.degraded_at,  # the fault proxy's own time of the switch
+    )
+    snap, run.polled_at = await _rollout_until(
+        ctx, lambda s: s.get("state") != "step", d.canary_rollback_wait_s
+    )
+    if run.polled_at is None:
+        ctx.note(f"no rollback within {d.canary_rollback_wait_s:.0f} s of the fault")
+    rolled = [h for h in snap.get("history") or [] if h.get("change") == "rolled_back"]
+    if rolled:
+        f.detected_at = float(rolled[-1]["at"])
+    # The bundle is written off the proxy's loop just after the rollback.
+    await _rollout_until(ctx, lambda s: bool(s.get("bundles") or s.get("bundle_error")), 10)
+    await asyncio.sleep(d.canary_after_s)
+    await _fault_mode(ctx, cand, "healthy")
+    ctx.removed("the candidate healthy again (the rollout stays rolled back)")
+
+
 # --------------------------------------------------------------------------- expectations
 
 
@@ -482,6 +670,8 @@ class DrillSpec:
     title: str
     run: Callable[[DrillContext], Awaitable[None]]
     expect: Callable[[DrillResult], list[str]]
+    # The load's run id (its sessions' ids): drill 9 needs sessions on both arms.
+    run_id: Callable[[Durations], str] | None = None
 
 
 def _reached(r: DrillResult, tier: str) -> bool:
@@ -566,6 +756,16 @@ def _expect_hostile(r: DrillResult) -> list[str]:
     return out
 
 
+def _expect_canary(r: DrillResult) -> list[str]:
+    out = [] if r.canary is not None else ["no bad-canary figures"]
+    if r.canary is not None:
+        out.extend(canary_problems(r.canary))
+    past = [t["to"] for t in r.transitions if t["to"] not in ("normal", "throttle")]
+    if past:
+        out.append(f"the bad canary moved the tier to {', '.join(past)}")
+    return out
+
+
 DRILLS: dict[str, DrillSpec] = {
     s.key: s
     for s in (
@@ -583,6 +783,9 @@ DRILLS: dict[str, DrillSpec] = {
                   drill_broken_reload, _expect_reload),
         DrillSpec(8, "hostile", "A hostile client: poison parameters, hostile schemas, "
                   "long non-stream answers", drill_hostile, _expect_hostile),
+        DrillSpec(9, "bad_canary", "A bad canary: the candidate runs out of memory at the "
+                  "second rollout step", drill_bad_canary, _expect_canary,
+                  run_id=lambda d: pick_run_id(d.workers)),
     )
 }  # fmt: skip
 
@@ -632,6 +835,7 @@ class DrillResult:
     hostile: HostileSummary | None = None
     # The drill's flight recording replayed under its own policy (tests/chaos/replay.py).
     replay: dict[str, Any] | None = None
+    canary: CanarySummary | None = None
 
     @property
     def t0(self) -> float:
@@ -778,7 +982,7 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
         Timeline(stack.status_url) as tl,
         Load(
             stack.api_url,
-            run_id=f"d{spec.number}-{uuid.uuid4().hex[:6]}",
+            run_id=spec.run_id(d) if spec.run_id else f"d{spec.number}-{uuid.uuid4().hex[:6]}",
             max_tokens=d.max_tokens,
             think_s=d.think_s,
             deadline_s=d.deadline_s,
@@ -854,7 +1058,7 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
         r
         for r in records
         if r.outcome == "complete"
-        and r.backend in ("primary", "fallback")
+        and r.backend in ("primary", "fallback", "candidate")
         and r.session_state == "used"
     ]
     expected_keys = {(r.session, r.n) for r in expected}
@@ -925,7 +1129,7 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
     )
     if ctx.hostile is not None:
         hr = ctx.hostile
-        result.hostile = summarize(
+        result.hostile = summarize_hostile(
             hr.records,
             [r for r in records if r.ended >= t_fault],
             hr.metrics_before,
@@ -942,6 +1146,19 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
         )
     except Exception as exc:  # a replay that breaks is a finding, not a crash
         result.replay = {"error": f"{type(exc).__name__}: {exc}"}
+    if ctx.canary is not None:
+        cr = ctx.canary
+        result.canary = summarize(
+            cr.rollout,
+            cr.fault,
+            records,
+            run_id=cr.run_id,
+            workers=d.workers,
+            degraded_at=cr.degraded_at,
+            polled_at=cr.polled_at,
+            bundle=cr.bundle,
+            policy_added=cr.policy_added,
+        )
     handlers, slots, queued = _busy(final)
     result.facts["idle_after_load"] = (
         f"handlers {handlers}, admission slots {slots}, queued {queued}"

@@ -1,7 +1,7 @@
 """The chaos drills, short: a broken reload, a Redis stop, an engine kill, a
-hostile client.
+hostile client, a bad canary.
 
-The full set (all eight, with the issue's durations) is `make chaos`
+The full set (all nine, with the issue's durations) is `make chaos`
 (bench/chaos.py → bench/results/chaos.md). Here each drill runs for seconds
 on one shared stack and must show: no truncated answer presented as
 success, no hung request, no lost session turn, a return to normal, and its
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.drill import Stack
-from tests.chaos.report import hostile_section, summary_table
+from tests.chaos.report import canary_section, hostile_section, summary_table
 from tests.chaos.scenarios import DRILLS, SHORT, DrillResult, run_drill
 from tests.harness.vllm import VLLMServer
 
@@ -87,3 +87,18 @@ async def test_hostile_client_under_load(chaos_stack: Stack) -> None:
     assert h.others_total > 0 and h.others_normal == h.others_total
     assert sum(h.hostile_verdicts.values()) > 0
     assert not h.metrics.get("brownout_breaker_transitions_total")
+
+
+async def test_bad_canary_rolls_back_and_no_client_sees_an_error(chaos_stack: Stack) -> None:
+    """Issue 21: a gray release whose candidate runs out of memory at its
+    second step, under load: rolled back by itself within the minute, every
+    request it failed answered (retried on the primary or rescued mid-stream),
+    nobody on the candidate after it, the bundle whole."""
+    result = await run_drill(chaos_stack, DRILLS["bad_canary"], SHORT)
+    assert result.canary is not None
+    print("\n" + canary_section(result.canary, result.counts["sent"]))
+    check(result, chaos_stack)
+    c = result.canary
+    assert c.state == "rolled_back" and c.rolled_back_step == 1
+    assert c.rollback_s is not None and c.rollback_s <= 60
+    assert c.saw_error == 0 and sum(c.candidate_failed.values()) > 0

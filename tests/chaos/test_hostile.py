@@ -168,4 +168,4 @@ def test_summary_counts_others_and_hostile_and_the_report_says_it() -> None:
 def test_drill_8_is_registered() -> None:
     spec = DRILLS["hostile"]
     assert spec.number == 8
-    assert sorted(s.number for s in DRILLS.values()) == list(range(1, 9))
+    assert sorted(s.number for s in DRILLS.values()) == list(range(1, 10))

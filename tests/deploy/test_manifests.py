@@ -1,7 +1,8 @@
-"""The deployment files under docker/: they parse, they validate, and they agree.
+"""The deployment files under docker/: they parse, they validate, and they agree
+(Kubernetes: tests/deploy/test_k8s.py).
 
 Static facts are checked on the parsed YAML; when the tools are installed,
-`docker compose config` (both stacks), `kubernetes-validate --strict` and
+`docker compose config` (both stacks) and
 `promtool check config` validate the files as their consumers would.
 Missing tools skip those tests with the install line (helpers.INSTALL_HINT).
 """
@@ -15,16 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
-import yaml
 
 from proxy.policy import Policy, load_policy
 from tests.deploy.helpers import (
     DOCKER,
     INSTALL_HINT,
-    K8S,
     ROOT,
     compose_command,
     compose_variables,
@@ -40,8 +38,6 @@ SERVICES = {
     *("vllm", "fallback-model", "fallback", "brownout"),
     *("redis", "nginx", "prometheus", "grafana"),
 }
-#: Kubernetes versions the manifests must be valid for (oldest supported, newest).
-K8S_VERSIONS = ("1.30.0", "1.37.0")
 
 # --------------------------------------------------------------------------- helpers
 
@@ -118,10 +114,6 @@ def test_the_expected_files_exist() -> None:
         "prometheus/prometheus.yml",
         "grafana/provisioning/datasources/prometheus.yml",
         "grafana/provisioning/dashboards/brownout.yml",
-        "k8s/configmap.yaml",
-        "k8s/deployment.yaml",
-        "k8s/service.yaml",
-        "k8s/fallback.yaml",
         "README.md",
     ):
         assert (DOCKER / rel).is_file(), rel
@@ -352,170 +344,3 @@ def test_promtool_check_config() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-# --------------------------------------------------------------------------- kubernetes
-
-
-def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
-    objects: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in load_all(path):
-            assert {"apiVersion", "kind", "metadata"} <= set(doc), path
-            key = (doc["kind"], doc["metadata"]["name"])
-            assert key not in objects, f"{key} defined twice"
-            objects[key] = doc
-    return objects
-
-
-def containers(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    spec = deployment["spec"]["template"]["spec"]
-    return {c["name"]: c for c in spec["containers"]}
-
-
-def port_number(container: dict[str, Any], port: int | str) -> int:
-    """A probe's or Service's port (number or name) as the container's number."""
-    if isinstance(port, int):
-        return port
-    (number,) = [p["containerPort"] for p in container["ports"] if p.get("name") == port]
-    assert isinstance(number, int)
-    return number
-
-
-def http_probe(container: dict[str, Any], kind: str) -> tuple[str, int]:
-    probe = container.get(kind)
-    assert probe is not None, f"{container['name']}: no {kind}"
-    get = probe["httpGet"]
-    return get["path"], port_number(container, get["port"])
-
-
-def configmap_policy(tmp_path: Path) -> Policy:
-    data = k8s_objects()[("ConfigMap", "brownout-policy")]["data"]
-    return check_policy(data["policy.yaml"], data["faq.yaml"], tmp_path, {})
-
-
-def test_k8s_objects() -> None:
-    assert set(k8s_objects()) == {
-        ("ConfigMap", "brownout-policy"),
-        ("Deployment", "brownout-vllm"),
-        ("Service", "brownout"),
-        ("Deployment", "brownout-fallback"),
-        ("Service", "brownout-fallback"),
-    }
-
-
-def test_k8s_sidecar_probes_and_security() -> None:
-    dep = k8s_objects()[("Deployment", "brownout-vllm")]
-    c = containers(dep)
-    assert set(c) == {"vllm", "brownout"}
-    sidecar = c["brownout"]
-    (port,) = [p["containerPort"] for p in sidecar["ports"]]
-    assert http_probe(sidecar, "readinessProbe") == ("/readyz", port)
-    assert http_probe(sidecar, "livenessProbe") == ("/healthz", port)
-    sc = sidecar["securityContext"]
-    assert sc["runAsNonRoot"] is True
-    assert isinstance(sc["runAsUser"], int) and sc["runAsUser"] > 0
-    assert sc["allowPrivilegeEscalation"] is False
-    assert sc["readOnlyRootFilesystem"] is True
-    assert sc["capabilities"]["drop"] == ["ALL"]
-    assert sidecar["resources"]["requests"] and sidecar["resources"]["limits"]
-
-
-def test_k8s_vllm_container() -> None:
-    dep = k8s_objects()[("Deployment", "brownout-vllm")]
-    vllm = containers(dep)["vllm"]
-    (port,) = [p["containerPort"] for p in vllm["ports"]]
-    assert port == int(flag(vllm["args"], "--port"))
-    assert http_probe(vllm, "livenessProbe") == ("/health", port)
-    # The pod's readiness is the sidecar's: vLLM loading must not take it out.
-    assert "readinessProbe" not in vllm and "startupProbe" not in vllm
-    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
-    spec = dep["spec"]["template"]["spec"]
-    assert spec["enableServiceLinks"] is False, "a Service named vllm would set VLLM_PORT"
-
-
-def test_k8s_policy_is_mounted_and_matches_the_pod(tmp_path: Path) -> None:
-    dep = k8s_objects()[("Deployment", "brownout-vllm")]
-    c = containers(dep)
-    sidecar, vllm = c["brownout"], c["vllm"]
-    spec = dep["spec"]["template"]["spec"]
-    (volume,) = [v for v in spec["volumes"] if "configMap" in v]
-    assert volume["configMap"]["name"] == "brownout-policy"
-    (mount,) = [m for m in sidecar["volumeMounts"] if m["name"] == volume["name"]]
-    assert mount["mountPath"] == "/etc/brownout" and mount.get("readOnly") is True
-    assert sidecar["args"] == ["serve", "--config", "/etc/brownout/policy.yaml"]
-
-    policy = configmap_policy(tmp_path)
-    (sidecar_port,) = [p["containerPort"] for p in sidecar["ports"]]
-    assert policy.server.port == sidecar_port
-    primary = urlsplit(policy.backends.primary.url)
-    assert primary.hostname == "127.0.0.1", "vLLM is in the same pod"
-    assert primary.port == int(flag(vllm["args"], "--port"))
-    assert policy.ladder.throttle.max_inflight == int(flag(vllm["args"], "--max-num-seqs"))
-
-
-def test_k8s_configmap_faq_is_the_shipped_one() -> None:
-    data = k8s_objects()[("ConfigMap", "brownout-policy")]["data"]
-    shipped = yaml.safe_load((ROOT / "policies" / "faq.yaml").read_text(encoding="utf-8"))
-    assert yaml.safe_load(data["faq.yaml"]) == shipped, (
-        "docker/k8s/configmap.yaml's faq.yaml differs from policies/faq.yaml: copy it over"
-    )
-
-
-def test_k8s_service_exposes_only_the_sidecar() -> None:
-    objs = k8s_objects()
-    dep, svc = objs[("Deployment", "brownout-vllm")], objs[("Service", "brownout")]
-    labels = dep["spec"]["template"]["metadata"]["labels"]
-    assert svc["spec"]["selector"].items() <= labels.items()
-    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    sidecar, vllm = containers(dep)["brownout"], containers(dep)["vllm"]
-    (sidecar_port,) = [p["containerPort"] for p in sidecar["ports"]]
-    (vllm_port,) = [p["containerPort"] for p in vllm["ports"]]
-    for port in svc["spec"]["ports"]:
-        assert port_number(sidecar, port["targetPort"]) == sidecar_port != vllm_port
-
-
-def test_k8s_fallback(tmp_path: Path) -> None:
-    objs = k8s_objects()
-    dep, svc = objs[("Deployment", "brownout-fallback")], objs[("Service", "brownout-fallback")]
-    server = containers(dep)["fallback"]
-    (port,) = [p["containerPort"] for p in server["ports"]]
-    assert port == int(flag(server["args"], "--port"))
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert http_probe(server, kind) == ("/health", port)
-    pod = dep["spec"]["template"]["spec"]
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["runAsUser"] > 0
-    (init,) = pod["initContainers"]
-    assert init["command"][0] == "brownout-fetch-model"
-    assert flag(server["args"], "--model").startswith(init["command"][1])
-    labels = dep["spec"]["template"]["metadata"]["labels"]
-    assert svc["spec"]["selector"].items() <= labels.items()
-    # The sidecar's policy points at this Service.
-    fallback = configmap_policy(tmp_path).backends.fallback
-    assert fallback is not None
-    url = urlsplit(fallback.url)
-    (svc_port,) = svc["spec"]["ports"]
-    assert (url.hostname, url.port) == ("brownout-fallback", svc_port["port"])
-    assert port_number(server, svc_port["targetPort"]) == port
-
-
-@pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_kubernetes_validate_strict(version: str) -> None:
-    validate = tool("kubernetes-validate")
-    if validate is None:
-        pytest.skip(f"kubernetes-validate not installed: {INSTALL_HINT}")
-    proc = subprocess.run(
-        [validate, "--strict", "--quiet", "-k", version, *map(str, sorted(K8S.glob("*.yaml")))],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def test_no_stray_files_in_k8s() -> None:
-    # `kubectl apply -f docker/k8s/` applies every file there.
-    stray = [p.name for p in K8S.iterdir() if p.suffix not in (".yaml", ".yml")]
-    assert not stray, stray

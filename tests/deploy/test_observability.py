@@ -9,6 +9,7 @@ queries and lints the live exposition.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -30,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "docker" / "prometheus" / "alerts.yml"
 ALERTS_TEST = ROOT / "docker" / "prometheus" / "alerts_test.yml"
 DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "brownout.json"
+RUNBOOK = ROOT / "docs" / "runbook.md"
+README = ROOT / "README.md"
 
 # Series Prometheus makes itself rather than scraping them from the proxy.
 PROMETHEUS_SERIES = {"up"}
@@ -170,7 +173,14 @@ def test_every_alert_is_unit_tested_firing() -> None:
     fired = {c["alertname"] for c in cases if c.get("exp_alerts")}
     quiet = {c["alertname"] for c in cases if not c.get("exp_alerts")}
     assert {r["alert"] for r in alert_rules()} <= fired
-    assert "BrownoutTTFTAboveBaseline" in quiet
+    baselines = {
+        "BrownoutTTFTAboveBaseline",
+        "BrownoutInterTokenLatencyAboveBaseline",
+        "BrownoutTokenRatioCollapsed",
+        "BrownoutKVCacheNearlyFull",
+        "BrownoutEngineQueueWaitHigh",
+    }
+    assert baselines <= quiet
     assert load_yaml(ALERTS_TEST)["rule_files"] == ["alerts.yml"]
 
 
@@ -181,8 +191,34 @@ def test_alert_rules_are_complete() -> None:
         assert re.fullmatch(r"\d+[smh]", str(rule.get("for", ""))), f"{name}: no `for:`"
         assert rule["labels"]["severity"] in SEVERITIES, name
         annotations = rule["annotations"]
-        for key in ("summary", "description", "runbook"):
+        for key in ("summary", "description", "runbook", "runbook_url"):
             assert annotations.get(key, "").strip(), f"{name}: no {key} annotation"
+
+
+def runbook_anchors() -> set[str]:
+    """GitHub's anchors of docs/runbook.md's headings (lower case, spaces to
+    dashes, punctuation dropped)."""
+    anchors = set()
+    for line in RUNBOOK.read_text().splitlines():
+        m = re.match(r"#{1,6} (.+)", line)
+        if m:
+            text = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower())
+            anchors.add(text.replace(" ", "-"))
+    return anchors
+
+
+def test_every_alert_links_its_own_runbook_section() -> None:
+    anchors = runbook_anchors()
+    text = RUNBOOK.read_text()
+    for rule in alert_rules():
+        name = rule["alert"]
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"docs/runbook.md#{name.lower()}", (name, url)
+        assert name.lower() in anchors, f"docs/runbook.md has no section {name}"
+        # The section says what to do, not only the alert's name.
+        section = text.split(f"\n### {name}\n", 1)[1].split("\n#", 1)[0]
+        assert len(section.split()) >= 40, f"{name}: runbook section too thin"
+    assert "docs/runbook.md" in README.read_text()
 
 
 def test_alert_rules_use_exported_metrics(proxy_metric_names: set[str]) -> None:
@@ -200,6 +236,38 @@ def test_ttft_alert_compares_with_a_rolling_baseline() -> None:
     assert "[5m]" in expr and "[1h] offset 5m" in expr
     assert "1.8 *" in expr
     assert "brownout_ttft_seconds_count" in expr  # the minimum request rate
+
+
+def test_inter_token_alert_compares_with_a_rolling_baseline() -> None:
+    (rule,) = [r for r in alert_rules() if r["alert"] == "BrownoutInterTokenLatencyAboveBaseline"]
+    expr = " ".join(rule["expr"].split())
+    assert "histogram_quantile(0.95" in expr and "brownout_inter_token_seconds_bucket" in expr
+    assert "[5m]" in expr and "[1h] offset 5m" in expr
+    assert "1.8 *" in expr
+    assert "rate(brownout_inter_token_seconds_count[5m])) >= 1" in expr
+
+
+def test_token_ratio_alert_compares_with_its_own_baseline() -> None:
+    """Per backend and model, the last 15 minutes against half of the 6 hours
+    before them (alerts_test.yml: 0.8 falling to 0.3, at once or over an hour)."""
+    (rule,) = [r for r in alert_rules() if r["alert"] == "BrownoutTokenRatioCollapsed"]
+    expr = " ".join(rule["expr"].split())
+    assert "< 0.5 * (" in expr
+    for name in ("brownout_completion_tokens_total", "brownout_prompt_tokens_total"):
+        assert f"sum by (job, backend, model) (rate({name}[15m]))" in expr
+        assert f"sum by (job, backend, model) (rate({name}[6h] offset 15m))" in expr
+
+
+def test_engine_alerts_read_what_brownout_scrapes_of_vllm() -> None:
+    rules = {r["alert"]: r for r in alert_rules()}
+    kv = rules["BrownoutKVCacheNearlyFull"]
+    assert kv["expr"].strip() == "brownout_upstream_kv_cache_usage_perc > 0.85"
+    assert kv["for"] == "2m"
+    wait = " ".join(rules["BrownoutEngineQueueWaitHigh"]["expr"].split())
+    assert wait == (
+        "rate(brownout_upstream_request_queue_time_seconds_sum[5m]) / "
+        "rate(brownout_upstream_request_queue_time_seconds_count[5m]) > 1.5"
+    )
 
 
 def test_rollback_alert_also_fires_on_a_gate_s_first_rollback() -> None:
@@ -281,6 +349,13 @@ def test_dashboard_shows_what_operators_need() -> None:
         "brownout_rollout_share",
         "brownout_rollout_gate_value",
         "brownout_rollout_rollbacks_total",
+        # The tokens row (issue 23).
+        "brownout_prompt_tokens_total",
+        "brownout_completion_tokens_total",
+        "brownout_inter_token_seconds_bucket",
+        "brownout_time_per_output_token_seconds_bucket",
+        "brownout_upstream_request_queue_time_seconds_sum",
+        "brownout_upstream_request_queue_time_seconds_count",
     }
     assert not needed - used, f"dashboard lacks {needed - used}"
 
@@ -310,6 +385,26 @@ def test_dashboard_has_a_gray_release_row() -> None:
     assert names == {"idle", "mirror", "step", "paused", "complete", "rolled back", "aborted"}
 
 
+def test_dashboard_has_a_tokens_row() -> None:
+    """Tokens/s, the ratio against the alert's threshold, ITL with its alert
+    threshold, TPOT: one row."""
+    dash = dashboard()
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    (row,) = [r for r in rows if r["title"].startswith("Tokens")]
+    top = row["gridPos"]["y"]
+    end = min([r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > top], default=10**6)
+    below = [p for p in dash["panels"] if p["type"] != "row" and top < p["gridPos"]["y"] < end]
+    exprs = [" ".join(t["expr"].split()) for p in below for t in p["targets"]]
+    assert any(
+        "rate(brownout_completion_tokens_total" in e and "[$__rate_interval]" in e for e in exprs
+    )
+    assert any(e.startswith("1.8 * histogram_quantile(0.95") and "inter_token" in e for e in exprs)
+    assert any("[6h] offset 15m" in e and e.startswith("0.5 *") for e in exprs)
+    units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in below}
+    assert units["Inter-token latency (ITL) by backend"] == "s"
+    assert units["Time per output token (TPOT) by backend"] == "s"
+
+
 @pytest.mark.real
 def test_dashboard_queries_parse(promtool: str, tmp_path: Path) -> None:
     """promtool parses every query once Grafana's variables are filled in."""
@@ -332,11 +427,18 @@ async def scrape_live_proxy() -> tuple[str, str]:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
         if not body.get("stream"):
-            return web.json_response({"object": "chat.completion", "choices": []})
+            return web.json_response({"object": "chat.completion", "choices": [], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(chunk("hello") + chunk("", "stop") + b"data: [DONE]\n\n")
+        await resp.write(chunk("hello"))
+        await asyncio.sleep(0.01)
+        await resp.write(chunk(" there") + chunk("", "stop"))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            obj = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+            await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def health(request: web.Request) -> web.StreamResponse:
@@ -347,6 +449,8 @@ async def scrape_live_proxy() -> tuple[str, str]:
             text='vllm:num_requests_running{model_name="tiny"} 2\n'
             'vllm:num_requests_waiting{model_name="tiny"} 1\n'
             'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25\n'
+            'vllm:request_queue_time_seconds_sum{model_name="tiny"} 1.5\n'
+            'vllm:request_queue_time_seconds_count{model_name="tiny"} 3\n'
         )
 
     upstream = web.Application()
@@ -389,6 +493,17 @@ async def test_live_metrics_pass_promtool_lint(promtool: str) -> None:
     # The exposition linted below is a populated one.
     assert re.search(r'^brownout_requests_total\{[^}]*status="200"', text, re.M), text
     assert re.search(r"^brownout_ttft_seconds_bucket\{", text, re.M), text
+    for series in (
+        'brownout_prompt_tokens_total{backend="primary",model="tiny",tier="normal"} 10.0',
+        'brownout_completion_tokens_total{backend="primary",model="tiny",tier="normal"} 4.0',
+        'brownout_inter_token_seconds_count{backend="primary"} 2.0',
+        'brownout_time_per_output_token_seconds_count{backend="primary"} 1.0',
+        "process_resident_memory_bytes ",
+    ):
+        assert series in text, series
+    assert re.search(
+        r'^brownout_build_info\{policy_hash="\w{12}",python="[\d.]+",version=', text, re.M
+    )
     out = run_promtool(promtool, "check", "metrics", stdin=text)
     assert not out.strip(), f"promtool check metrics found problems:\n{out}"
 

@@ -164,23 +164,20 @@ CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "
 # -- a real nginx running nginx/brownout.conf -----------------------------------
 
 NGINX_SITE = Path(__file__).resolve().parents[2] / "nginx" / "brownout.conf"
-MAINTENANCE_HTML = NGINX_SITE.parent / "maintenance.html"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 # Strings of the site file the tests rewrite (production values → test values).
 UPSTREAM_LINE = "server 127.0.0.1:8080;"
 LISTEN_LINE = "listen 80;"
-PAGE_LINE = "alias /usr/share/nginx/brownout/maintenance.html;"
 
 StartNginx = Callable[[int], Awaitable[str]]
 
 
 def nginx_site_conf(prefix: Path, listen: int, upstream_port: int) -> Path:
     site = NGINX_SITE.read_text()
-    for line in (UPSTREAM_LINE, LISTEN_LINE, PAGE_LINE):
+    for line in (UPSTREAM_LINE, LISTEN_LINE):
         assert line in site, f"{NGINX_SITE} no longer contains {line!r}"
     site = site.replace(UPSTREAM_LINE, f"server 127.0.0.1:{upstream_port};")
     site = site.replace(LISTEN_LINE, f"listen 127.0.0.1:{listen};")
-    site = site.replace(PAGE_LINE, f"alias {MAINTENANCE_HTML};")
     (prefix / "site.conf").write_text(site)
     conf = prefix / "nginx.conf"
     conf.write_text(

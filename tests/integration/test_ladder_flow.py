@@ -106,6 +106,8 @@ class Fake(FakeUpstream):
 
 
 FakeFactory = Callable[[], Awaitable[Fake]]
+# What Brownout adds to every stream for its token counters (issue 23).
+ASKED = {"stream_options": {"include_usage": True}}
 
 
 @pytest.fixture
@@ -499,8 +501,9 @@ async def test_one_5xx_is_retried_on_fallback_and_tier_stays_normal(
     assert (r.backend, r.tier) == ("fallback", "normal")
     assert r.text() == "from the fallback"
     assert r.events()[-1] == b"[DONE]"
-    # The fallback got the client's request as sent.
-    assert fallback.chat_bodies() == [CHAT_BODY]
+    # The fallback got the client's request as sent (and Brownout's question
+    # for the stream's token usage, issue 23).
+    assert fallback.chat_bodies() == [{**CHAT_BODY, **ASKED}]
 
     r = await ask(proxy)
     assert (r.status, r.backend, r.tier) == (200, "primary", "normal")
@@ -547,7 +550,7 @@ async def test_stall_before_first_byte_is_retried_on_fallback(
     assert r.events()[-1] == b"[DONE]"
     assert 0.3 <= elapsed < 2.0, elapsed
     assert len(primary.chat_bodies()) == 1
-    assert fallback.chat_bodies() == [CHAT_BODY]
+    assert fallback.chat_bodies() == [{**CHAT_BODY, **ASKED}]
     timeouts = {"backend": "primary", "kind": "first_byte_timeout"}
     assert await metric(proxy, "brownout_upstream_errors_total", timeouts) == 1
     assert await metric(proxy, "brownout_retries_total", {"from": "primary", "to": "fallback"}) == 1

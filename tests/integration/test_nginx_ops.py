@@ -23,7 +23,6 @@ from multidict import CIMultiDict
 from proxy.openai.sse import SSEParser
 from tests.integration.conftest import (
     CHAT_BODY,
-    MAINTENANCE_HTML,
     FakeUpstream,
     StartNginx,
     chunk,
@@ -85,19 +84,14 @@ async def test_sidecar_down_api_gets_openai_503_with_retry_after(
     assert info.value.code == "sidecar_unavailable"
 
 
-async def test_sidecar_down_browser_gets_the_maintenance_page(start_nginx: StartNginx) -> None:
+async def test_sidecar_down_health_answers_openai_503(start_nginx: StartNginx) -> None:
     nginx_url = await start_nginx(free_port())
-    async with (
-        aiohttp.ClientSession() as s,
-        s.get(nginx_url + "/brownout/status", headers={"Accept": "text/html"}) as resp,
-    ):
-        assert resp.status == 503
-        assert resp.content_type == "text/html"
-        assert resp.headers["Retry-After"] == "30"
-        assert await resp.read() == MAINTENANCE_HTML.read_bytes()
-    # The page is only an error page (an internal location), not a path of its own.
-    async with aiohttp.ClientSession() as s, s.get(nginx_url + "/brownout-maintenance.html") as r:
-        assert r.status == 404
+    async with aiohttp.ClientSession() as s:
+        for path in ("/healthz", "/readyz"):
+            async with s.get(nginx_url + path) as resp:
+                assert resp.status == 503, path
+                assert resp.headers["Retry-After"] == "30"
+                assert openai_error(await resp.read())["code"] == "sidecar_unavailable"
 
 
 async def test_sidecar_answers_pass_through_unchanged(

@@ -76,3 +76,44 @@ async def test_models_and_completions_through_proxy(
         assert info.value.status_code == 400
     finally:
         await client.close()
+
+
+async def test_token_counters_and_unchanged_client_bytes_with_real_vllm(
+    live_vllm_server: VLLMServer, start_proxy: ProxyFactory
+) -> None:
+    """Issue 23: vLLM is asked for every stream's usage; a client that did not
+    ask reads the events it reads when vLLM is not asked (greedy: the same
+    text), and the counters hold what vLLM itself reports — chat and
+    completions streams."""
+    from tests.integration.test_pipeline import metrics, total
+    from tests.integration.test_token_telemetry_real import events
+
+    url = live_vllm_server.base_url
+    asking = await start_proxy(make_policy(url, extra=RANDOM_MODEL_GUARD))
+    silent = await start_proxy(
+        make_policy(
+            url, extra=RANDOM_MODEL_GUARD + "backends:\n  primary:\n    stream_usage: false\n"
+        )
+    )
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+    }
+    got = await events(asking, chat)
+    assert got == await events(silent, chat)
+    assert not [e for e in got if "usage" in e]
+    asked = await events(silent, {**chat, "stream_options": {"include_usage": True}})
+    (usage,) = [e["usage"] for e in asked if e.get("usage")]
+    assert [e for e in asked if not e.get("usage")] == got
+    prompt = {"model": "tiny", "prompt": "Once upon", "max_tokens": 8, "temperature": 0}
+    done = await events(asking, {**prompt, "stream": True}, path="/v1/completions")
+    assert not [e for e in done if "usage" in e] and done[-1] == {"raw": b"[DONE]"}
+    m = await metrics(asking)
+    counted = total(m, "brownout_completion_tokens_total", backend="primary", model="tiny")
+    assert total(m, "brownout_prompt_tokens_total", backend="primary") > usage["prompt_tokens"]
+    assert usage["completion_tokens"] < counted <= usage["completion_tokens"] + 8
+    assert total(m, "brownout_time_per_output_token_seconds_count", backend="primary") >= 1
+    assert total(m, "brownout_inter_token_seconds_count", backend="primary") >= 2

@@ -95,9 +95,10 @@ async def test_an_edited_faq_file_is_reloaded_by_the_watch(
 
 
 def test_a_file_missing_for_a_moment_is_no_change() -> None:
-    a, b = (1.0, 10), (2.0, 11)
+    a, b = (1, 10, 100), (2, 11, 101)
     assert not changed((a, b), (a, None))  # the FAQ being renamed into place
-    assert changed((a, b), (a, (3.0, 11)))
+    assert changed((a, b), (a, (3, 11, 101)))
+    assert changed((a, b), (a, (2, 11, 102)))  # same size and mtime, another file
     assert merge((a, b), (a, None)) == (a, b)
     assert changed((a,), (a, b))  # the reload named an FAQ file
 

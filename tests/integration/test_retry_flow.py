@@ -57,6 +57,10 @@ def chat_calls(fake: FakeUpstream) -> list[dict[str, Any]]:
     return [json.loads(b) for p, _, b in fake.requests if p == CHAT]
 
 
+# What Brownout adds to every stream for its token counters (issue 23).
+ASKED = {"stream_options": {"include_usage": True}}
+
+
 async def answer(request: web.Request, who: str) -> web.StreamResponse:
     return await stream_words(request, ["from ", who])
 
@@ -496,7 +500,7 @@ async def test_drop_policy_names_what_it_dropped(
         assert r.headers["X-Brownout-Dropped"] == "tools,tool_choice,logprobs,response_format"
         assert text_of(await r.read()) == "from fallback"
     [sent] = chat_calls(fallback_upstream)
-    assert sent == BODY
+    assert sent == {**BODY, **ASKED}
 
 
 async def test_advertised_capabilities_are_honoured(
@@ -532,7 +536,7 @@ async def test_advertised_capabilities_are_honoured(
         assert r.status == 200
         assert "X-Brownout-Dropped" not in r.headers
         await r.read()
-    assert chat_calls(fallback_upstream) == [TOOL_BODY]  # as the client sent it
+    assert chat_calls(fallback_upstream) == [{**TOOL_BODY, **ASKED}]  # as the client sent it
     async with proxy.session.post(proxy.url + CHAT, json=multimodal) as r:
         assert r.status == 503
         err = (await r.json())["error"]
@@ -574,7 +578,7 @@ async def test_capabilities_are_read_again_when_the_fallback_recovers(
     async with proxy.session.post(proxy.url + CHAT, json=TOOL_BODY) as r:
         assert r.status == 200
         await r.read()
-    assert chat_calls(fallback_upstream) == [TOOL_BODY]
+    assert chat_calls(fallback_upstream) == [{**TOOL_BODY, **ASKED}]
 
 
 async def test_a_window_refusal_does_not_mask_the_larger_backends_own_failure(

@@ -58,7 +58,13 @@ def streaming(who: str, delay_s: float) -> Any:
 
 
 def rollout_policy(
-    primary: str, candidate: str, snapshot_dir: Path, fallback: str | None = None, **over: Any
+    primary: str,
+    candidate: str,
+    snapshot_dir: Path,
+    fallback: str | None = None,
+    *,
+    breaker: dict[str, Any] | None = None,
+    **over: Any,
 ) -> Policy:
     backend = {
         "timeouts": {"connect_s": 1, "first_byte_s": 2, "idle_s": 1},
@@ -74,6 +80,7 @@ def rollout_policy(
             "maintenance": {"enabled": False},
             "recovery": {"window_s": 0.05},
             "failover": {"retry_max": 0},
+            **({"breaker": breaker} if breaker else {}),
         },
         "rollout": {
             "steps": [0.25, 0.5, 1.0],
@@ -230,7 +237,11 @@ async def test_an_oom_on_the_candidate_rolls_back_at_once_and_no_client_sees_it(
     verdict = json.loads((bundle / "verdict.json").read_text())
     assert verdict["gate"] == "oom" and verdict["rollout_id"] == snap["id"]
     errors = [json.loads(x) for x in (bundle / "errors.jsonl").read_text().splitlines()]
-    assert any(e["arm"] == "candidate" and e["fault"] == "oom" for e in errors)
+    # One record per failure: the attempt's, completed by the request's end.
+    (oom,) = [e for e in errors if e["arm"] == "candidate"]
+    assert (oom["fault"], oom["status"], oom["counted"]) == ("oom", 500, True)
+    assert (oom["answered_by"], oom["client_status"]) == ("primary", 200)
+    assert "CUDA out of memory" in oom["detail"]
     assert "brownout_rollout_rollbacks_total" in (bundle / "metrics.prom").read_text()
     timeline = [json.loads(x) for x in (bundle / "timeline.jsonl").read_text().splitlines()]
     assert [t["event"] for t in timeline if t["event"] != "gates"][:1] == ["started"]
@@ -239,36 +250,98 @@ async def test_an_oom_on_the_candidate_rolls_back_at_once_and_no_client_sees_it(
     assert (await state(proxy))["bundles"] == [str(bundle)]
 
 
-async def test_a_rollback_bundle_carries_the_flight_recordings_last_minutes(
+def bundles_in(root: Path) -> list[Path]:
+    """The rollback bundles written (not the temporary directory of one)."""
+    return [p.parent for p in root.glob("*/verdict.json") if p.parent.name[0] != "."]
+
+
+@pytest.mark.parametrize("gate", ["health", "breaker"])
+async def test_a_health_gate_rollback_bundles_the_failures_still_being_answered(
     fake_upstream: FakeUpstream,
     candidate_upstream: FakeUpstream,
     start_proxy: ProxyFactory,
     tmp_path: Path,
+    gate: str,
 ) -> None:
-    fake_upstream.handlers[CHAT] = streaming("primary", 0.0)
+    """The race a real-stack drill lost: requests fail on the candidate, which
+    then goes bad (/health 503, or its breaker opens) and the health gate rolls
+    back while the primary is still answering them. The bundle's errors.jsonl
+    holds those failures (it was empty: they were logged at the requests' end,
+    after the rollback), and the reason names the cause once."""
+    release = asyncio.Event()
+    ok = streaming("primary", 0.0)
 
-    async def broken(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"error": {"message": "CUDA out of memory"}}, status=500)
+    async def held_primary(request: web.Request) -> web.StreamResponse:
+        await release.wait()  # answered only once the rollback happened
+        return await ok(request)
 
-    candidate_upstream.handlers[CHAT] = broken
+    sick = False
+
+    async def failing(request: web.Request) -> web.StreamResponse:
+        nonlocal sick
+        await request.read()
+        sick = True
+        return web.json_response({"error": {"message": "kernel panic in sampler"}}, status=500)
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=503 if sick and gate == "health" else 200)
+
+    fake_upstream.handlers[CHAT] = held_primary
+    candidate_upstream.handlers[CHAT] = failing
+    candidate_upstream.handlers["/health"] = health
     pol = rollout_policy(
-        fake_upstream.url, candidate_upstream.url, tmp_path / "b", steps=[1.0], step_s=3600
+        fake_upstream.url,
+        candidate_upstream.url,
+        tmp_path,
+        steps=[1.0],
+        step_s=3600,
+        # Not the error gate (it judges a request at its end): the health gate.
+        gates={"min_samples": 5, "window_s": 60, "error_rate_max": 1.0},
+        # health: 3 failures keep the breaker closed; breaker: the first opens
+        # it (the corroborating probe fails too).
+        breaker={"fail_max": 5 if gate == "health" else 1},
     )
-    rec_dir = tmp_path / "rec"
-    pol = dataclasses.replace(pol, recorder=RecorderPolicy(enabled=True, dir=str(rec_dir)))
     proxy = await start_proxy(pol)
-    for i in range(3):  # before the rollout: on the recording
-        assert (await ask(proxy, f"before-{i}"))[1] == "primary"
     await act(proxy, "start")
-    assert (await ask(proxy, "u1"))[1] == "primary"
-    assert (await state(proxy))["state"] == "rolled_back"
-    await wait_until(lambda: bool(list((tmp_path / "b").glob("*/recording.jsonl"))), 10)
-    (path,) = list((tmp_path / "b").glob("*/recording.jsonl"))
-    recs = [json.loads(x) for x in path.read_text().splitlines()]
-    reqs = [r for r in recs if r["k"] == "req"]
-    assert len(reqs) >= 3 and recs[0]["k"] in ("seg", "policy")
-    # The request the candidate failed: its attempts, in the order they ran.
-    assert any([a[0] for a in r["att"]] == ["candidate", "primary"] for r in reqs)
+    tasks = [
+        asyncio.create_task(
+            proxy.session.post(
+                proxy.url + CHAT,
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"X-Session-Id": f"s-{i}"},
+            )
+        )
+        for i in range(3)
+    ]
+    t0 = time.monotonic()
+    while (snap := await state(proxy))["state"] != "rolled_back":
+        assert time.monotonic() - t0 < 10, snap
+        await asyncio.sleep(0.02)
+    assert snap["failed_gate"] == "health"
+    if gate == "health":
+        assert snap["reason"] == "candidate unhealthy: health returned HTTP 503"
+    else:
+        assert snap["reason"].startswith("candidate unhealthy: breaker open: ")
+        assert "unhealthy" not in snap["reason"][len("candidate unhealthy: ") :]
+    release.set()
+    rids = []
+    for t in tasks:
+        async with await t as r:
+            assert (r.status, r.headers["X-Brownout-Backend"]) == (200, "primary")
+            rids.append(r.headers["X-Request-Id"])
+            await r.read()
+    await wait_until(lambda: bool(bundles_in(tmp_path)))
+    (bundle,) = bundles_in(tmp_path)
+    verdict = json.loads((bundle / "verdict.json").read_text())
+    assert verdict["gate"] == "health" and verdict["detail"] == snap["reason"]
+    errors = [json.loads(x) for x in (bundle / "errors.jsonl").read_text().splitlines()]
+    cand = [e for e in errors if e["arm"] == "candidate"]
+    assert sorted(e["request_id"] for e in cand) == sorted(rids), errors
+    for e in cand:
+        assert (e["status"], e["fault"], e["attribution"]) == (500, "http_500", "backend")
+        assert "kernel panic in sampler" in e["detail"], e  # what the candidate said
+        # Still being answered at the rollback: how it ended is not known yet.
+        assert e["answered_by"] is None and e["counted"] is None
 
 
 async def test_a_request_that_fails_everywhere_does_not_roll_a_good_candidate_back(
@@ -548,3 +621,35 @@ async def test_a_candidate_with_a_worse_p99_rolls_back(
     snap = await state(proxy)
     assert snap["state"] == "rolled_back"
     assert snap["failed_gate"] == "p99_ratio", snap
+
+
+async def test_a_rollback_bundle_carries_the_flight_recordings_last_minutes(
+    fake_upstream: FakeUpstream,
+    candidate_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    tmp_path: Path,
+) -> None:
+    fake_upstream.handlers[CHAT] = streaming("primary", 0.0)
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "CUDA out of memory"}}, status=500)
+
+    candidate_upstream.handlers[CHAT] = broken
+    pol = rollout_policy(
+        fake_upstream.url, candidate_upstream.url, tmp_path / "b", steps=[1.0], step_s=3600
+    )
+    rec_dir = tmp_path / "rec"
+    pol = dataclasses.replace(pol, recorder=RecorderPolicy(enabled=True, dir=str(rec_dir)))
+    proxy = await start_proxy(pol)
+    for i in range(3):  # before the rollout: on the recording
+        assert (await ask(proxy, f"before-{i}"))[1] == "primary"
+    await act(proxy, "start")
+    assert (await ask(proxy, "u1"))[1] == "primary"
+    assert (await state(proxy))["state"] == "rolled_back"
+    await wait_until(lambda: bool(list((tmp_path / "b").glob("*/recording.jsonl"))), 10)
+    (path,) = list((tmp_path / "b").glob("*/recording.jsonl"))
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    reqs = [r for r in recs if r["k"] == "req"]
+    assert len(reqs) >= 3 and recs[0]["k"] in ("seg", "policy")
+    # The request the candidate failed: its attempts, in the order they ran.
+    assert any([a[0] for a in r["att"]] == ["candidate", "primary"] for r in reqs)

@@ -53,12 +53,12 @@ def test_make_run_installs_only_what_running_needs(tmp_path: Path) -> None:
     assert lines[-1] == f"PATH={venv}/bin:$PATH scripts/quickstart.sh"
 
 
-def test_make_test_installs_the_test_tools_on_top(tmp_path: Path) -> None:
+def test_make_test_installs_the_test_tools_and_otel_on_top(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     assert _installs(_dry_run("test", venv)) == [
         "torch (CPU)",
         "-e '.[fallback]'",
-        "-e '.[fallback,test]'",
+        "-e '.[fallback,test,otel]'",
     ]
 
 
@@ -68,10 +68,10 @@ def test_stamps_skip_what_is_installed(tmp_path: Path) -> None:
     run_stamp = next(line.split()[1] for line in lines if line.startswith("touch "))
     Path(run_stamp).parent.mkdir(parents=True)
     Path(run_stamp).touch()
-    # After `make run`, `make run` installs nothing and `make test` only the test extra.
+    # After `make run`, `make run` installs nothing and `make test` only the test and otel extras.
     assert _installs(_dry_run("run", venv)) == []
     test_lines = _dry_run("test", venv)
-    assert _installs(test_lines) == ["-e '.[fallback,test]'"]
+    assert _installs(test_lines) == ["-e '.[fallback,test,otel]'"]
     test_stamp = next(line.split()[1] for line in test_lines if line.startswith("touch "))
     assert test_stamp != run_stamp
     Path(test_stamp).touch()

@@ -231,9 +231,9 @@ def _shipped() -> list[tuple[str, str]]:
     files.append(
         ("docker/brownout/policy.yaml", (ROOT / "docker/brownout/policy.yaml").read_text())
     )
-    cm = yaml.safe_load((ROOT / "docker/k8s/configmap.yaml").read_text())
-    files.append(("configmap policy.yaml", cm["data"]["policy.yaml"]))
-    files.append(("configmap faq.yaml", cm["data"]["faq.yaml"]))
+    k8s = ROOT / "deploy/k8s/base/policy"
+    files.append(("configmap policy.yaml", (k8s / "policy.yaml").read_text()))
+    files.append(("configmap faq.yaml", (k8s / "faq.yaml").read_text()))
     return files
 
 

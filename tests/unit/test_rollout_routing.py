@@ -1,0 +1,128 @@
+"""Issue 21: the gray release's per-request routing (proxy.control.rollout's
+`cut`/`arm`, proxy.runtime.canary's sticky key), decisions only."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.control.rollout import STATES, Rollout, bucket
+from proxy.policy import parse_policy
+from proxy.policy.rollout import RolloutPolicy
+from proxy.runtime.canary import Canary
+from proxy.telemetry.metrics import Metrics
+
+STEPS = (0.05, 0.2, 0.5, 1.0)
+
+
+def reference_arm(state: str, step: int, b: float, priority: str, pol: RolloutPolicy) -> str:
+    """The rule as the issue states it: the buckets below the step's share go
+    to the candidate, in the step (a paused one too) and at 100 % once
+    complete; priorities outside `priorities` join at the last step only."""
+    if state not in ("step", "paused", "complete"):
+        return "primary"
+    last = step >= len(pol.steps) - 1
+    if state != "complete" and priority not in pol.priorities and not last:
+        return "primary"
+    share = 1.0 if state == "complete" else pol.steps[step]
+    return "candidate" if b < share else "primary"
+
+
+@given(
+    state=st.sampled_from(STATES),
+    step=st.integers(0, len(STEPS) - 1),
+    b=st.floats(0.0, 1.0, exclude_max=True),
+    priority=st.sampled_from(["critical", "normal", "sheddable"]),
+)
+def test_the_arm_follows_the_rule_in_every_state_step_and_priority(
+    state: Any, step: int, b: float, priority: str
+) -> None:
+    pol = RolloutPolicy(steps=STEPS)
+    ro = Rollout(pol, clock=lambda: 0.0, state=state, step=step)
+    assert ro.arm(b, priority) == reference_arm(state, step, b, priority, pol)
+    # The cut is the share the request can get: 0 when it cannot go at all.
+    cut = ro.cut(priority)
+    assert (cut > 0.0) == any(ro.arm(x, priority) == "candidate" for x in (0.0, 0.01, 0.04))
+
+
+def test_a_share_boundary_bucket_stays_on_the_primary() -> None:
+    ro = Rollout(RolloutPolicy(steps=STEPS), clock=lambda: 0.0, state="step", step=1)
+    assert ro.arm(0.2, "normal") == "primary"
+    assert ro.arm(0.19999, "normal") == "candidate"
+    assert ro.arm(0.1, "critical") == "primary"  # critical joins at the last step
+    ro.step = 3
+    assert ro.arm(0.1, "critical") == "candidate"
+
+
+def canary(sticky: str, tmp: str) -> Canary:
+    doc = {
+        "backends": {
+            "primary": {"url": "http://127.0.0.1:1"},
+            "candidate": {"url": "http://127.0.0.1:2"},
+        },
+        "rollout": {"steps": [0.5, 1.0], "sticky": sticky, "snapshot_dir": tmp},
+    }
+    pol = parse_policy(yaml.safe_dump(doc), "routing.yaml")
+    return Canary(pol, time.monotonic, Metrics(), lambda coro, name: coro.close())
+
+
+def rec(headers: dict[str, str], priority: str = "normal") -> Any:
+    proxy = CIMultiDictProxy(CIMultiDict(headers))
+    return SimpleNamespace(request=SimpleNamespace(headers=proxy), priority=priority)
+
+
+@pytest.mark.parametrize(
+    ("sticky", "headers", "key"),
+    [
+        ("session", {"X-Session-Id": "s-1", "X-Team": "t"}, "s-1"),
+        ("session", {"x-session-id": "s-2"}, "s-2"),
+        ("header:X-Team", {"X-Session-Id": "s-1", "x-team": "blue"}, "blue"),
+        ("api_key", {"Authorization": "Bearer sk-abc"}, "sk-abc"),
+    ],
+)
+def test_the_sticky_key_is_the_policys_header(
+    sticky: str, headers: dict[str, str], key: str, tmp_path: Any
+) -> None:
+    c = canary(sticky, str(tmp_path))
+    assert c.bucket_of(rec(headers)) == bucket(key)
+    c.act("start")
+    # The same client, the same arm, request after request.
+    arms = {c.wants_candidate(rec(headers)) for _ in range(20)}
+    assert arms == {bucket(key) < 0.5}
+
+
+@pytest.mark.parametrize(
+    ("sticky", "headers"),
+    [
+        ("none", {"X-Session-Id": "s-1", "Authorization": "Bearer sk-abc"}),
+        ("session", {"X-Team": "blue"}),  # no session id: a bucket of its own
+        ("api_key", {}),
+    ],
+)
+def test_no_key_draws_a_fresh_bucket_per_request(
+    sticky: str, headers: dict[str, str], tmp_path: Any
+) -> None:
+    c = canary(sticky, str(tmp_path))
+    buckets = [c.bucket_of(rec(headers)) for _ in range(2000)]
+    assert all(0.0 <= b < 1.0 for b in buckets)
+    assert len(set(buckets)) == len(buckets)
+    c.act("start")
+    share = sum(c.wants_candidate(rec(headers)) for _ in range(4000)) / 4000
+    assert 0.45 < share < 0.55  # step 0 at 50 %: ±5 points is > 6 standard deviations
+
+
+def test_an_idle_or_ended_rollout_sends_nothing_to_the_candidate(tmp_path: Any) -> None:
+    c = canary("session", str(tmp_path))
+    r = rec({"X-Session-Id": next(f"s{i}" for i in range(100) if bucket(f"s{i}") < 0.5)})
+    assert not c.wants_candidate(r)
+    c.act("start")
+    assert c.wants_candidate(r)
+    c.act("abort")
+    assert not c.wants_candidate(r)
