@@ -157,7 +157,7 @@ def main() -> int:
     t0 = time.process_time()
     Trace.load(trace)
     load_s = time.process_time() - t0
-    out = run_replay(parse_policy(CANDIDATE, env={}), trace_path=str(trace))
+    out = run_replay(parse_policy(CANDIDATE, env={}), trace_path=str(trace), freeze=True)
     cpu_s, wall_s = out.report["replay_cpu_s"], out.report["replay_wall_s"]
     per_day = 24 / args.hours * (50.0 / args.rate)
     fid = out.report["fidelity"]

@@ -69,7 +69,9 @@ def run_replay(
     baseline: Policy | None = None,
     fail_on: tuple[str, ...] = (),
     seed: int = 0,
+    freeze: bool = False,
 ) -> Outcome:
+    """Both replays and the report (`freeze`: see `Trace.load`)."""
     started, wall = _cpu(), time.monotonic()
     notes: list[str] = []
     if scenario is not None:
@@ -78,7 +80,7 @@ def run_replay(
     else:
         assert trace_path is not None
         try:
-            trace = Trace.load(Path(trace_path))
+            trace = Trace.load(Path(trace_path), freeze=freeze)
         except (OSError, ValueError) as exc:
             raise ReplayError(f"{trace_path}: cannot read the trace: {exc}") from exc
         knobs = trace.recorded_policy
@@ -195,6 +197,7 @@ def main(args: Any) -> int:
             baseline=baseline,
             fail_on=fail_on,
             seed=args.seed,
+            freeze=True,
         )
     except ReplayError as exc:
         print(f"brownout replay: error: {exc}", file=sys.stderr)

@@ -162,10 +162,11 @@ class Trace:
         return self.policies[0][1] if self.policies else None
 
     @classmethod
-    def load(cls, path: Path) -> Trace:
-        # Millions of small tuples, none in a cycle: the collector would walk
-        # them again and again while they are made, and at every full
-        # collection of the replay after (`gc.freeze`: never again).
+    def load(cls, path: Path, *, freeze: bool = False) -> Trace:
+        """Read a recording. Millions of small tuples, none in a cycle: the
+        collector stays off while they are made; `freeze` (the command line,
+        whose process ends with the replay) also keeps every later full
+        collection from walking them again (`gc.freeze`, process-wide)."""
         enabled = gc.isenabled()
         gc.disable()
         try:
@@ -176,7 +177,8 @@ class Trace:
         finally:
             if enabled:
                 gc.enable()
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         tr.skipped, tr.truncated = reader.skipped, reader.truncated
         return tr
 

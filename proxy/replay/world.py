@@ -255,12 +255,21 @@ class BackendWorld:
     def latency(self, q: Request, t: float, n: int) -> tuple[float, float]:
         """(seconds to the first byte, seconds of the whole answer) of `q` on
         this backend at `t` with `n` in flight (counting `q`)."""
-        rec = None
+        rec = cut = None
         name = self.name
         for a in q.attempts:  # (a loop, not a generator: this runs per attempt)
-            if a.backend == name and a.kind == "answered" and a.status < 400:
-                rec = a
-                break
+            if a.backend == name:
+                if a.kind == "answered" and a.status < 400:
+                    rec = a
+                    break
+                if a.kind == "ended":
+                    cut = a
+        if rec is None and cut is not None:
+            # Cut mid-answer in the recording: it was still streaming when
+            # cut, so it lasts at least that long (and is cut again there).
+            ft, whole = self._modelled(q, t, n)
+            first = cut.ttft if cut.ttft is not None else ft
+            return first, max(whole, cut.end - cut.start + 1e-3)
         if rec is not None:
             n0 = max(1, self.recorded_n(rec.start + 1e-6))
             whole = max(1e-4, rec.end - rec.start)
@@ -271,12 +280,17 @@ class BackendWorld:
             ft = max(MIN_TTFT_S, first + self.ttft(n) - self.ttft(n0))
             decode = max(0.0, whole - first + q.tokens_out * (self.tpot(n) - self.tpot(n0)))
         else:
-            rt, rp = self.residual(t)
-            ft = max(MIN_TTFT_S, self.ttft(n) + rt) * q.scale
-            decode = q.tokens_out * max(0.0, self.tpot(n) + rp) * q.scale
-            if not q.stream:
-                ft += decode
-                decode = 0.0
+            return self._modelled(q, t, n)
+        return ft, ft + decode
+
+    def _modelled(self, q: Request, t: float, n: int) -> tuple[float, float]:
+        """The curves' latency (plus the nearest recorded answer's residual)."""
+        rt, rp = self.residual(t)
+        ft = max(MIN_TTFT_S, self.ttft(n) + rt) * q.scale
+        decode = q.tokens_out * max(0.0, self.tpot(n) + rp) * q.scale
+        if not q.stream:
+            ft += decode
+            decode = 0.0
         seg = self.segment(t)
         if seg.state == "slow":
             ft *= seg.factor  # a slow prefill: the first token
@@ -399,16 +413,21 @@ def _kills(
     segments: list[Segment], cuts: list[float], survived: list[tuple[float, float]]
 ) -> list[float]:
     """When requests in flight died: each `down` stretch entered from a
-    working state kills at the first stream cut near its start (the cut is
-    the fact; a refused probe can come a moment earlier); with no cut near
-    it, at its start — unless a recorded answer was in flight across that
-    start and finished (the server stopped taking requests but finished
-    the ones it had: no kill)."""
+    working state kills at the first stream cut from just before its start
+    to its end (the cut is the fact; a refused probe can come earlier: a
+    port closes before the server drops the streams it has); with no cut
+    in it, at its start — unless a recorded answer was in flight across
+    that start and finished (the server stopped taking requests but
+    finished the ones it had: no kill)."""
     out: list[float] = []
     prev = "up"
-    for s in segments:
+    for i, s in enumerate(segments):
         if s.state == "down" and prev not in ("down", "hung"):
-            near = [c for c in cuts if s.start - KILL_NEAR_S <= c <= s.start + KILL_NEAR_S]
+            # The stretch lasts until the backend works again.
+            end = next(
+                (x.start for x in segments[i + 1 :] if x.state not in ("down", "hung")), math.inf
+            )
+            near = [c for c in cuts if s.start - KILL_NEAR_S <= c < end]
             if near:
                 out.append(near[0])
             elif not any(a < s.start < b for a, b in survived):
