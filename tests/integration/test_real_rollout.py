@@ -92,7 +92,12 @@ async def test_the_migration_from_transformers_to_vllm_steps_through_the_gates(
                 arm = raw.headers["X-Brownout-Backend"]
                 assert arm in ("primary", "candidate")
                 assert raw.parse().choices[0].finish_reason in ("stop", "length")
-                arms.setdefault(share, {})[sid] = arm
+                async with proxy.session.get(proxy.url + "/brownout/rollout", headers=h) as r:
+                    after = await r.json()
+                if (after["state"], after["share"]) == ("step", share):
+                    # Routed at this share for sure (the step may advance mid-loop
+                    # on a slow machine: a CI run saw a request of the next step).
+                    arms.setdefault(share, {})[sid] = arm
             # Streams too: the TTFT gate needs them.
             for sid in sids[:4]:
                 stream = await client.chat.completions.create(
