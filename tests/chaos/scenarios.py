@@ -67,9 +67,9 @@ from tests.chaos.hostile import (
 )
 from tests.chaos.hostile import summarize as summarize_hostile
 from tests.chaos.replay import replay_drill, replay_problems
-
-FIDELITY_GATED = frozenset({"engine_kill"})
 from tests.harness.procs import is_alive
+
+FIDELITY_GATED = frozenset({"engine_kill"})  # drills failed by a replay below the goal
 
 __all__ = [
     "DRILLS",
