@@ -1169,7 +1169,7 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
     # measured at the goal (engine death: 99.6-99.8 %); the others report it.
     # The replay does not model attribution, the gray release or a 10x burst's
     # queue-wait threshold (drill 6: 90 %), so there it is a finding, not a failure.
-    gate = replay_problems(result.replay) if spec.name in FIDELITY_GATED else []
+    gate = replay_problems(result.replay) if spec.key in FIDELITY_GATED else []
     result.problems = _problems(result, spec) + gate
     if slots > handlers:
         result.problems.append(
