@@ -125,7 +125,9 @@ async def test_token_counters_and_unchanged_client_bytes_with_real_vllm(
     assert total(m, "brownout_prompt_tokens_total", backend="primary") > usage["prompt_tokens"]
     assert usage["completion_tokens"] < counted <= usage["completion_tokens"] + 8
     assert total(m, "brownout_time_per_output_token_seconds_count", backend="primary") >= 1
-    assert total(m, "brownout_inter_token_seconds_count", backend="primary") >= 2
+    # Inter-token gaps need events in separate reads: a loaded CPU vLLM can hand
+    # a short answer over in one read (a CI run saw 0 gaps), so they are not
+    # required here; they are tested with paced fakes (test_token_telemetry*).
 
 
 def said(evs: list[dict[str, Any]]) -> tuple[str, list[str]]:
