@@ -64,6 +64,18 @@ Outcome = Literal[
 ]
 
 
+class EventStream(web.StreamResponse):
+    """The client's event stream, its head held back until the first write:
+    the status line and headers leave in the same `send()` as the first
+    region (a 16-chunk answer in one), not in one of their own. (aiohttp's
+    `web.Response` does the same; its `StreamResponse` sends the head when
+    prepared. Without the attribute, an older aiohttp sends it then.) The
+    pump writes the head alone (`write(b"")`) wherever it would otherwise
+    wait or return with nothing written after preparing it."""
+
+    _send_headers_immediately = False
+
+
 @dataclass(slots=True)
 class StreamResult:
     outcome: Outcome
@@ -128,7 +140,7 @@ async def relay_stream(
     forwarded. `itl` gets the time between the answer's events.
     """
     if client is None:
-        client = web.StreamResponse(status=200, headers=headers)
+        client = EventStream(status=200, headers=headers)
     pump = Pump(request, upstream, client, heartbeat_s, idle_s)
     loop = pump.loop
     framer = SSEFramer(max_event_bytes)
@@ -191,8 +203,10 @@ async def relay_stream(
 
         # ---- the answer: forward every complete event as soon as it is here.
         await pump.settle_heartbeat()
+        head = False  # prepared here: the head waits for the first write
         if not client.prepared:
             await client.prepare(request)
+            head = True
         result.headers_sent_at = loop.time()
         pump.start_idle_watch()
         write = client.write
@@ -225,6 +239,8 @@ async def relay_stream(
                             await write(verdict.prefix)
                             if kept is not None:
                                 kept.append(verdict.prefix)
+                        elif head:
+                            await write(b"")  # the head, before the caller's ending
                         result.outcome = "guard_trip"
                         result.trip = verdict
                         result.code = "invalid_output"
@@ -263,6 +279,8 @@ async def relay_stream(
                     await write(region[:err_at])
                     if kept is not None:
                         kept.append(region[:err_at])
+                elif head:
+                    await write(b"")  # the head, before the caller's ending
                 return result
             if finished:
                 saw_finish = True
@@ -289,6 +307,9 @@ async def relay_stream(
                         kept.clear()
                         kept = result.regions = None
                         result.kept_overflow = True
+            elif head:
+                await write(b"")  # the head, before waiting for the next read
+            head = False
             region = b""
             while not region:
                 try:

@@ -25,7 +25,7 @@ from proxy.openai.partial import answer_from_body, streamed_answer
 from proxy.openai.usage import usage_of_body
 from proxy.pipeline.adapt import asks_usage
 from proxy.pipeline.call import failed
-from proxy.pipeline.pump import StreamResult, relay_stream
+from proxy.pipeline.pump import EventStream, StreamResult, relay_stream
 from proxy.pipeline.record import AttemptKind, AttemptResult, RequestRecord, TokenCount
 from proxy.telemetry.metrics import Buckets
 
@@ -178,7 +178,7 @@ async def relay_events(
     headers = rec.headers(up.name)
     headers["Content-Type"] = resp.headers.get("Content-Type", "text/event-stream")
     headers.update(SSE_HEADERS)
-    client = rec.client = web.StreamResponse(status=200, headers=headers)
+    client = rec.client = EventStream(status=200, headers=headers)
     sg = rt.guard.stream() if rt.guard is not None else None
     if sg is not None:
         rec.guards.append((up.name, sg))

@@ -40,10 +40,12 @@ _LEVELS = {
 DEFAULT_MAX_BYTES = 4 << 20  # queued log output beyond this is dropped
 EXIT_FLUSH_S = 2.0
 # How long the writer lets lines gather after a wake-up: each wake-up makes
-# the loop thread hand over the GIL, so fewer (50 ms: at most 20 a second)
-# cost the serving thread less than prompt ones (5 ms: three times the futex
-# calls per request under load).
-COALESCE_S = 0.05
+# the loop thread hand over the GIL (a few times: the wake, the write, the
+# next wait), and on a busy machine the loop thread then waits to be
+# scheduled again. 250 ms: at most 4 wake-ups a second (50 ms gave 20, 5 ms
+# three times the futex calls per request again). A line logged off the loop
+# waits for its write, so it cuts the wait short (`_hurry`).
+COALESCE_S = 0.25
 OFF_LOOP_WAIT_S = 1.0  # how long a line logged off the loop waits to be written
 
 
@@ -141,6 +143,8 @@ class LineWriter:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._drained = threading.Condition(self._lock)
+        self._hurry = threading.Condition(self._lock)  # an off-loop line waits
+        self._urgent = False
         self._queue: collections.deque[tuple[bytes, int]] = collections.deque()
         self._queued_bytes = 0
         self._writing = False
@@ -160,7 +164,7 @@ class LineWriter:
         except RuntimeError:
             # Off the loop (start-up, CLI, a worker thread): wait, briefly, for
             # the line to be written, so it keeps its place among other output.
-            self._put(message + b"\n", 1)
+            self._put(message + b"\n", 1, urgent=True)
             if not self._stalled:
                 self._stalled = not self._wait(OFF_LOOP_WAIT_S)
             return
@@ -178,13 +182,16 @@ class LineWriter:
             lines.append(b"")
             self._put(b"\n".join(lines), len(lines) - 1)
 
-    def _put(self, data: bytes, n: int) -> None:
+    def _put(self, data: bytes, n: int, urgent: bool = False) -> None:
         with self._lock:
             if self._queued_bytes + len(data) > self._max or self._closing:
                 self.dropped += n
                 return
             if not self._queue:
                 self._work.notify()
+            if urgent:
+                self._urgent = True
+                self._hurry.notify()
             self._queue.append((data, n))
             self._queued_bytes += len(data)
 
@@ -197,10 +204,12 @@ class LineWriter:
                     self._work.wait()
                 if not self._queue:
                     return
-            # Let a few milliseconds of lines gather: one wake-up and one
-            # write carry them all, so the loop thread rarely yields the GIL.
-            time.sleep(COALESCE_S)
-            with self._lock:
+                # Let lines gather: one wake-up and one write carry them
+                # all, so the loop thread rarely yields the GIL (a flush or
+                # a line logged off the loop does not wait).
+                if not self._urgent:
+                    self._hurry.wait(COALESCE_S)
+                self._urgent = False
                 chunks = [c for c, _ in self._queue]
                 self._queue.clear()
                 self._queued_bytes = 0
@@ -230,6 +239,10 @@ class LineWriter:
         """Hand over this iteration's lines and wait until all are written.
         False when the reader did not take them within `timeout`."""
         self._hand_over()
+        with self._lock:
+            if self._queue:
+                self._urgent = True
+                self._hurry.notify()
         return self._wait(timeout)
 
     def _wait(self, timeout: float | None) -> bool:
@@ -247,7 +260,9 @@ class LineWriter:
         done = self.flush(timeout)
         with self._lock:
             self._closing = True
+            self._urgent = True
             self._work.notify()
+            self._hurry.notify()
         if done:
             self._thread.join(timeout)
         atexit.unregister(self.close)
