@@ -134,3 +134,24 @@ def test_replay_results_are_pinned(tmp_path: Path) -> None:
         assert got[name]["report"] == want[name]["report"], name
         assert got[name]["baseline_run"] == want[name]["baseline_run"], name
         assert got[name]["candidate_run"] == want[name]["candidate_run"], name
+
+
+def test_side_by_side_replays_give_the_pinned_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The candidate's replay in a forked process (past PARALLEL_MIN requests:
+    its own backend model, its run sent back as bytes) gives every figure
+    the one-process replay gives."""
+    from proxy.replay import main as replay_main
+
+    monkeypatch.setattr(replay_main, "PARALLEL_MIN", 10)
+    want = json.loads(PINNED.read_text())
+    bench = str(_bench_trace(tmp_path))
+    for name in ("default", "tight"):
+        got = _pinned(run_replay(parse_policy(CANDIDATES[name], env={}), trace_path=bench))
+        assert got == want[f"bench {name}"], name
+    rec = FIXTURES / "recordings" / RECORDINGS[1]
+    got = _pinned(
+        run_replay(parse_policy(CANDIDATES["worse"], env={}), trace_path=str(rec), seed=3)
+    )
+    assert got == want[f"{RECORDINGS[1]} worse"]
