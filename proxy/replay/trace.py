@@ -189,11 +189,15 @@ class Trace:
             raise ValueError(f"{source or 'trace'}: no records")
         t0 = min(times)
         tr = cls(start=t0, end=max(times) - t0, source=source)
+        requests = tr.requests
         for r in recs:
             k = r.get("k")
             t = float(r["t"]) - t0
             try:
-                _add(tr, k, t, r)
+                if k == "req":  # most records (as `_add`, without the call)
+                    requests.append(_request(t, r))
+                else:
+                    _add(tr, k, t, r)
             except (KeyError, TypeError, ValueError):
                 tr.skipped += 1
         tr.requests.sort(key=lambda q: q.t)
