@@ -40,11 +40,12 @@ from proxy.control.retrybudget import RetryBudget
 from proxy.pipeline.attempts import next_step
 from proxy.pipeline.record import AttemptResult
 from proxy.policy import BackendPolicy, Policy
+from proxy.replay.observed import ObservedWaits
 from proxy.replay.trace import Request, Trace
 from proxy.replay.world import BackendWorld, Outcome, World
 
 TAIL_S = 5.0  # the replay runs this long past the last record
-EXACT_SLACK = 4.0  # a recorded turn this many periods late is still the next one
+EXACT_SLACK = 4.0  # with records lost: a recorded turn this many periods late is still the next one
 SERIES_S = 1.0  # resolution of the time series in the report
 
 
@@ -173,6 +174,7 @@ class Sim:
         self.ladder.tier = trace.initial_tier  # type: ignore[assignment]
         self.pressure = PressureMonitor(lad.throttle, self.clock)
         self.admission = Admission(lad.throttle, self.clock, self.on_wait)
+        self._observed = ObservedWaits(trace, policy)
         self.backends: dict[str, Backend] = {}
         for name in ("primary", "fallback"):
             bp = getattr(policy.backends, name)
@@ -217,7 +219,7 @@ class Sim:
     def replay(self) -> Run:
         end = self.trace.end + TAIL_S
         lad = self.policy.ladder
-        self.at(lad.recovery.window_s, self.tick)
+        self.at(self._next_tick(), self.tick)  # (at 0: the first recorded one, else window_s)
         for b in self.backends.values():
             first = (self._probe_times.get(b.name) or [0.0])[0]
             anchored = self._anchored_probes(b) and first < b.policy.health.interval_s
@@ -226,6 +228,8 @@ class Sim:
             first = self._scrapes[0] if self._scrapes else 0.0
             self.at(first if first < lad.throttle.scrape_interval_s else 0.0, self.scrape)
         self.at(0.0, self.sample)
+        for t, seconds, client in self._observed.waits:
+            self.at(t, self.observed_wait, seconds, client)
         for t, tier in self.trace.forces:
             self.at(t, self.force, tier)
         reqs = self._sessions()
@@ -293,8 +297,13 @@ class Sim:
         nxt = self.now + w
         if anchors and w == recorded_w:
             if exact:
+                # Every turn was recorded: the next recorded one is the next
+                # turn, however late the recorded loop ran it (a busy host) —
+                # unless the recorder lost records (then a turn may be missing).
                 i = bisect.bisect_right(anchors, self.now)
-                if i < len(anchors) and anchors[i] <= self.now + EXACT_SLACK * w:
+                if i < len(anchors) and (
+                    not self.trace.gaps or anchors[i] <= self.now + EXACT_SLACK * w
+                ):
                     return anchors[i]
                 return nxt
             i = bisect.bisect_left(anchors, nxt - w / 2)
@@ -413,7 +422,28 @@ class Sim:
         self.run.tiers.append((t.at, t.to_tier))
 
     def on_wait(self, seconds: float, counts: bool) -> None:
-        self.pressure.record_queue_wait(seconds, self.admission.limit, counts)
+        """A wait the replay's own admission modelled: the pressure signal,
+        unless the recorded waits stand in for it now (`ObservedWaits`)."""
+        if not self._follows_recording():
+            self.pressure.record_queue_wait(seconds, self.admission.limit, counts)
+
+    def observed_wait(self, seconds: float, client: str) -> None:
+        """A wait the recorded proxy's admission queue saw, at the instant it
+        ended: the pressure signal while the replay is where the recording was."""
+        if self._follows_recording():
+            adm = self.admission
+            counts = True
+            if self.policy.ladder.throttle.fair_share:
+                share, clients = adm.share(client)
+                mine = adm.held.get(client, 0)
+                counts = clients < 2 or (
+                    mine < share and max(adm.held.values(), default=0) <= share
+                )
+            self.pressure.record_queue_wait(seconds, adm.limit, counts)
+
+    def _follows_recording(self) -> bool:
+        o = self._observed
+        return o.usable and o.agrees(self.now, self.ladder.tier, self.admission.limit)
 
     def route(self) -> tuple[Destination, list[Backend]]:
         dest = self.ladder.route()

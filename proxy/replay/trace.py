@@ -134,6 +134,7 @@ class Trace:
     # only there: a limit change, an open breaker's reset timeout).
     ticks: list[float] = field(default_factory=list)
     exact_ticks: bool = False  # `tick` records: every evaluation's instant
+    calls: bool = False  # attempts carry their backend call's instant (after admission)
     models: dict[str, dict[str, float]] = field(default_factory=dict)  # scenario latency models
     gaps: int = 0  # records the recorder dropped
     skipped: int = 0  # unreadable lines
@@ -223,7 +224,10 @@ def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
         if not tr.exact_ticks:
             tr.ticks.append(t)
     elif k == "req":
-        tr.requests.append(_request(t, r))
+        q = _request(t, r)
+        tr.requests.append(q)
+        if not tr.calls and q.attempts and len(r["att"][0]) > 6:
+            tr.calls = True
     elif k == "probe":
         tr.probes.append(Probe(t, r["b"], bool(r["ok"]), bool(r.get("def")), r.get("err")))
     elif k == "engine":

@@ -69,7 +69,9 @@ from tests.chaos.hostile import summarize as summarize_hostile
 from tests.chaos.replay import replay_drill, replay_problems
 from tests.harness.procs import is_alive
 
-FIDELITY_GATED = frozenset({"engine_kill"})  # drills failed by a replay below the goal
+FIDELITY_GATED = frozenset(
+    {"engine_kill", "overload_burst"}
+)  # drills failed by a replay below the goal
 
 __all__ = [
     "DRILLS",

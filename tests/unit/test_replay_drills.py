@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from proxy.replay.main import run_replay
 from proxy.replay.trace import Trace, policy_from_knobs
 
@@ -31,21 +29,13 @@ def test_drill_1_engine_kill_replays_as_it_happened() -> None:
     assert fid["trustworthy"], fid["reasons"]
 
 
-def test_drill_6_overload_burst_keeps_its_counts() -> None:
-    """The burst's sheds, errors and TTFT percentiles are reproduced; its tier
-    timeline is close (about 0.90: see the next test)."""
+def test_drill_6_overload_burst_meets_the_fidelity_goal() -> None:
+    """A 10x burst on a host whose event loop ran late: the queue-wait signal
+    sits on its mark. The replay evaluates its windows when the recorded loop
+    ran them, and the throttle reads the waits the proxy measured where the
+    replay stands where the recording stood (`proxy.replay.observed`)."""
     fid = fidelity("recording-drill-6.jsonl.gz")
     counts = fid["counts"]
     assert isinstance(counts, dict) and all(c["ok"] for c in counts.values()), counts
-    assert fid["tier_agreement"] >= 0.85, fid  # type: ignore[operator]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="below the goal: the queue-wait signal of a 10x burst sits on its threshold, and "
-    "the recorded proxy's loop ran late on a CPU shared with vLLM; the throttle's second "
-    "entry and exit come 1-2 s late in the replay (tier agreement about 0.90)",
-)
-def test_drill_6_overload_burst_meets_the_fidelity_goal() -> None:
-    fid = fidelity("recording-drill-6.jsonl.gz")
-    assert fid["tier_agreement"] >= 0.95
+    assert fid["tier_agreement"] >= 0.95, fid  # type: ignore[operator]
+    assert fid["trustworthy"], fid["reasons"]
