@@ -190,15 +190,11 @@ class Trace:
             raise ValueError(f"{source or 'trace'}: no records")
         t0 = min(times)
         tr = cls(start=t0, end=max(times) - t0, source=source)
-        requests = tr.requests
         for r in recs:
             k = r.get("k")
             t = float(r["t"]) - t0
             try:
-                if k == "req":  # most records (as `_add`, without the call)
-                    requests.append(_request(t, r))
-                else:
-                    _add(tr, k, t, r)
+                _add(tr, k, t, r)
             except (KeyError, TypeError, ValueError):
                 tr.skipped += 1
         tr.requests.sort(key=lambda q: q.t)
@@ -215,7 +211,12 @@ class Trace:
 
 
 def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
-    if k == "tick":
+    if k == "req":  # most records first
+        q = _request(t, r)
+        tr.requests.append(q)
+        if not tr.calls and q.attempts and len(r["att"][0]) > 6:
+            tr.calls = True
+    elif k == "tick":
         if not tr.exact_ticks:  # the instants recorded: no need to guess them
             tr.exact_ticks = True
             tr.ticks.clear()
@@ -223,11 +224,6 @@ def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
     elif k == "breaker" and r.get("from") == "open" and r.get("to") == "half-open":
         if not tr.exact_ticks:
             tr.ticks.append(t)
-    elif k == "req":
-        q = _request(t, r)
-        tr.requests.append(q)
-        if not tr.calls and q.attempts and len(r["att"][0]) > 6:
-            tr.calls = True
     elif k == "probe":
         tr.probes.append(Probe(t, r["b"], bool(r["ok"]), bool(r.get("def")), r.get("err")))
     elif k == "engine":
