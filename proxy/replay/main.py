@@ -16,6 +16,7 @@ import multiprocessing as mp
 import resource
 import sys
 import time
+from array import array
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,10 +105,12 @@ def run_replay(
             "trace: each replay runs one policy throughout"
         )
     pb = baseline.backends.primary
-    world = build_world(trace, idle_s=pb.timeouts.idle_s)
+    world, base_run, side = _both(
+        baseline, candidate, trace, pb.timeouts.idle_s, seed, recorded=not trace.synthetic
+    )
     notes += world.notes
-    base_run, cand_run = _both(baseline, candidate, trace, world, seed)
-    b, c = rep.summary(base_run), rep.summary(cand_run)
+    cand_run = side.run
+    b, c = rep.summary(base_run), side.summary
     keys = FAIL_ON
     report: dict[str, Any] = {
         "trace": {
@@ -122,7 +125,7 @@ def run_replay(
         "fidelity": rep.fidelity(trace, base_run) if is_recorded else None,
         "baseline": b,
         "candidate": c,
-        "recorded": rep.observed(trace) if not trace.synthetic else None,
+        "recorded": side.recorded,
         "worse_on": rep.worse_on(b, c, keys),
         "better_on": rep.better_on(b, c, keys),
         "fail_on": list(fail_on),
@@ -147,28 +150,74 @@ def run_replay(
 
 
 # Past this many requests the two replays run side by side: the candidate's
-# in a forked process (which inherits the parsed trace without copying it).
+# in a forked process, which inherits the parsed trace without copying it,
+# fits its own backend model (the same: it is a function of the trace) and
+# sends back its run (its long series as bytes) and its figures.
 PARALLEL_MIN = 200_000
-_JOB: tuple[Policy, Trace, World, int] | None = None
+_JOB: tuple[Policy, Trace, float, int, bool] | None = None
 
 
-def _replay_job() -> Run:
+@dataclass
+class _Side:
+    """The candidate's replay, its figures and the recording's own."""
+
+    run: Run
+    summary: dict[str, Any]
+    recorded: dict[str, Any] | None
+
+
+def _candidate(policy: Policy, trace: Trace, world: World, seed: int, recorded: bool) -> _Side:
+    run = replay(policy, trace, world, seed)
+    return _Side(run, rep.summary(run), rep.observed(trace) if recorded else None)
+
+
+_Packed = tuple[_Side, bytes, bytes, dict[str, bytes]]
+
+
+def _candidate_job() -> _Packed:
     assert _JOB is not None
-    return replay(*_JOB)
+    policy, trace, idle_s, seed, recorded = _JOB
+    side = _candidate(policy, trace, build_world(trace, idle_s=idle_s), seed, recorded)
+    run = side.run
+    ttfts, ttft_t, series = run.ttfts, run.ttft_t, run.series
+    run.ttfts, run.ttft_t, run.series = [], [], {}
+    return (
+        side,
+        array("d", ttfts).tobytes(),
+        array("d", ttft_t).tobytes(),
+        {k: array("d", v).tobytes() for k, v in series.items()},
+    )
+
+
+def _floats(data: bytes) -> list[float]:
+    a = array("d")
+    a.frombytes(data)
+    return a.tolist()
+
+
+def _unpack(packed: _Packed) -> _Side:
+    side, ttfts, ttft_t, series = packed
+    run = side.run
+    run.ttfts, run.ttft_t = _floats(ttfts), _floats(ttft_t)
+    run.series = {k: _floats(v) for k, v in series.items()}
+    return side
 
 
 def _both(
-    baseline: Policy, candidate: Policy, trace: Trace, world: World, seed: int
-) -> tuple[Run, Run]:
+    baseline: Policy, candidate: Policy, trace: Trace, idle_s: float, seed: int, recorded: bool
+) -> tuple[World, Run, _Side]:
     global _JOB
     if len(trace.requests) < PARALLEL_MIN or "fork" not in mp.get_all_start_methods():
-        return replay(baseline, trace, world, seed), replay(candidate, trace, world, seed)
-    _JOB = (candidate, trace, world, seed)
+        world = build_world(trace, idle_s=idle_s)
+        base = replay(baseline, trace, world, seed)
+        return world, base, _candidate(candidate, trace, world, seed, recorded)
+    _JOB = (candidate, trace, idle_s, seed, recorded)
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("fork")) as pool:
-            future = pool.submit(_replay_job)
+            future = pool.submit(_candidate_job)
+            world = build_world(trace, idle_s=idle_s)
             base = replay(baseline, trace, world, seed)
-            return base, future.result()
+            return world, base, _unpack(future.result())
     finally:
         _JOB = None
 

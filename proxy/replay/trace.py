@@ -211,7 +211,12 @@ class Trace:
 
 
 def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
-    if k == "tick":
+    if k == "req":  # most records first
+        q = _request(t, r)
+        tr.requests.append(q)
+        if not tr.calls and q.attempts and len(r["att"][0]) > 6:
+            tr.calls = True
+    elif k == "tick":
         if not tr.exact_ticks:  # the instants recorded: no need to guess them
             tr.exact_ticks = True
             tr.ticks.clear()
@@ -219,11 +224,6 @@ def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
     elif k == "breaker" and r.get("from") == "open" and r.get("to") == "half-open":
         if not tr.exact_ticks:
             tr.ticks.append(t)
-    elif k == "req":
-        q = _request(t, r)
-        tr.requests.append(q)
-        if not tr.calls and q.attempts and len(r["att"][0]) > 6:
-            tr.calls = True
     elif k == "probe":
         tr.probes.append(Probe(t, r["b"], bool(r["ok"]), bool(r.get("def")), r.get("err")))
     elif k == "engine":
