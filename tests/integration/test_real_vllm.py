@@ -109,7 +109,8 @@ async def test_token_counters_and_unchanged_client_bytes_with_real_vllm(
     got = await events(asking, chat)
     plain = await events(silent, chat)
     assert said(got) == said(plain)
-    # Known difference (seen on vLLM 0.32 CPU, not isolated further): the
+    # Known difference (vLLM 0.32, chat_completion/serving.py: with include_usage the
+    # fingerprint goes on the usage chunk, not the finish chunk; README says so): the
     # stream read while Brownout asks for usage lacks `system_fingerprint`,
     # which the same stream without usage carries; everything else matches.
     assert fields(got) - {"system_fingerprint"} == fields(plain) - {"system_fingerprint"}
