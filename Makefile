@@ -66,7 +66,8 @@ unit: setup
 
 # Benchmarks against nginx, a bare aiohttp relay and LiteLLM (needs wrk; the
 # LiteLLM proxy lives in its own cached venv; valgrind for the instruction
-# counts). Writes bench/results/latest.md, overhead.md, guard.md and rollout-cost.md.
+# counts). Writes bench/results/latest.md, overhead.md, guard.md, rollout-cost.md and
+# otel-cost.md.
 LITELLM_VENV ?= $(HOME)/.cache/brownout/litellm-venv
 litellm-venv:
 	test -x $(LITELLM_VENV)/bin/python || ( $(PYTHON) -m venv $(LITELLM_VENV).tmp && \
@@ -85,6 +86,7 @@ bench: setup vllm-venv litellm-venv
 	if command -v valgrind >/dev/null; then $(PY) bench/instr.py . --recorder \
 	  | tee bench/results/recorder-cost.md; else echo "valgrind missing: recorder cost not measured"; fi
 	$(PY) bench/rollout_ab.py
+	$(PY) bench/otel_ab.py
 
 # Coverage-guided fuzzing of the request and SSE parsers and the guard.
 FUZZ_SECONDS ?= 120
