@@ -22,7 +22,7 @@ from __future__ import annotations
 import http.client
 import ssl
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -111,7 +111,17 @@ class Encoder:
             b"\x0a", _field(b"\x0a", scope.encode()) + _field(b"\x12", version.encode())
         )
         self._kv: dict[tuple[str, type, Any], bytes] = {}
+        self._floats: dict[str, bytes] = {}
         self._names: dict[str, bytes] = {}
+
+    def _float_prefix(self, key: str) -> bytes:
+        """A float attribute's `KeyValue` up to its 8 value bytes."""
+        k = _field(b"\x0a", key.encode())
+        prefix = b"\x4a" + varint(len(k) + 11) + k + b"\x12\x09\x21"
+        if len(self._floats) > _CACHE_MAX:
+            self._floats.clear()
+        self._floats[key] = prefix
+        return prefix
 
     def encode(self, records: Iterable[SpanRecord]) -> bytes:
         spans = b"".join([_field(b"\x12", self._span(r)) for r in records])
@@ -139,13 +149,16 @@ class Encoder:
         cache = self._kv
         for k, v in r.attributes.items():
             t = v.__class__
-            if t is float or t is list:  # rarely the same twice: not cached
-                parts.append(key_value(b"\x4a", k, v))
+            if t is float:  # rarely the same twice: a cached prefix and the 8 bytes
+                prefix = self._floats.get(k)
+                if prefix is None:
+                    prefix = self._float_prefix(k)
+                parts += (prefix, _pack_d(v))
                 continue
-            ck = (k, t, v)
+            ck = (k, t, v) if t is not list else (k, t, tuple(v))
             b = cache.get(ck)
             if b is None:
-                if len(cache) > _CACHE_MAX:
+                if len(cache) > _CACHE_MAX:  # unique values (request ids) fill it
                     cache.clear()
                 b = cache[ck] = key_value(b"\x4a", k, v)
             parts.append(b)
@@ -212,8 +225,3 @@ class HttpExporter:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-
-def encode_all(encoder: Encoder, records: Sequence[SpanRecord]) -> bytes:
-    """The request for `records` (a helper for tests and benches)."""
-    return encoder.encode(records)

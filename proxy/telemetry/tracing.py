@@ -86,6 +86,8 @@ _MASK64 = (1 << 64) - 1
 # After an export failure: the first probe after this, doubling up to the cap.
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 30.0
+# A NamedTuple built from its fields' tuple: half the cost of its keyword-capable __new__.
+_record: Callable[[type[SpanRecord], tuple[Any, ...]], SpanRecord] = tuple.__new__
 T = TypeVar("T")
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -330,7 +332,8 @@ class Tracing:
         if not flags or not proc.has_room():
             if flags:  # sampled, but the collector is backed off (or the queue full)
                 proc.drop(1)
-            rec.traceparent = f"00-{trace_id:032x}-{span_id:016x}-0{flags}"
+            # (%-formatting: half the time of an f-string's format specs)
+            rec.traceparent = "00-%032x-%016x-0%d" % (trace_id, span_id, flags)  # noqa: UP031
             return
         state = req.headers.get("tracestate", "") if parent_id else ""
         trace = rec.trace = RequestTrace(self, trace_id, span_id, parent_id, state)
@@ -465,7 +468,7 @@ class RequestTrace:
         client's `tracestate` is passed through with the other headers)."""
         a = self.attempt
         span_id = a.span_id if a is not None else self.span_id
-        headers["traceparent"] = f"00-{self.trace_id:032x}-{span_id:016x}-01"
+        headers["traceparent"] = "00-%032x-%016x-01" % (self.trace_id, span_id)  # noqa: UP031
 
     def _emit(
         self,
@@ -478,18 +481,21 @@ class RequestTrace:
         error: str | None,
     ) -> None:
         self._tracing.emit(
-            SpanRecord(
-                name,
-                kind,
-                self.trace_id,
-                span_id,
-                parent_id,
-                parent_id == self.parent_id,  # the client's span: a remote parent
-                self.state,
-                start_ns,
-                time.time_ns(),
-                attrs,
-                error,
+            _record(
+                SpanRecord,
+                (
+                    name,
+                    kind,
+                    self.trace_id,
+                    span_id,
+                    parent_id,
+                    parent_id == self.parent_id,  # the client's span: a remote parent
+                    self.state,
+                    start_ns,
+                    time.time_ns(),
+                    attrs,
+                    error,
+                ),
             )
         )
 
