@@ -218,7 +218,8 @@ async def test_a_streamed_answers_usage_is_on_its_attempt_and_request_spans(
     """A stream's token counts (the usage chunk Brownout asks vLLM for) land
     on the attempt and the request span as they do for a JSON answer."""
     fake_upstream.handlers[CHAT] = vllm_stream(["a ", "b ", "c"])
-    proxy = await start_proxy(make_policy(fake_upstream.url, extra=telemetry(fresh.url)))
+    knobs = telemetry(fresh.url + "/v1/traces", otlp_headers=["X-Scope-OrgID=team-a"])
+    proxy = await start_proxy(make_policy(fake_upstream.url, extra=knobs))
     async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as r:
         assert r.status == 200
         raw = await r.read()
@@ -230,6 +231,7 @@ async def test_a_streamed_answers_usage_is_on_its_attempt_and_request_spans(
         assert a["gen_ai.usage.input_tokens"] == PROMPT_TOKENS, span["kind"]
         assert a["gen_ai.usage.output_tokens"] == 3, span["kind"]
     assert server["attributes"]["brownout.stream"] is True
+    assert server["headers"]["X-Scope-OrgID"] == "team-a"  # the policy's otlp_headers
 
 
 async def test_a_rescued_streams_usage_is_on_each_leg_and_summed_on_the_request(
