@@ -67,7 +67,7 @@ unit: setup
 # Benchmarks against nginx, a bare aiohttp relay and LiteLLM (needs wrk; the
 # LiteLLM proxy lives in its own cached venv; valgrind for the instruction
 # counts). Writes bench/results/latest.md, overhead.md, guard.md, rollout-cost.md and
-# guardrails.md (every optional feature's on/off cost against its budget).
+# otel-cost.md and guardrails.md (every optional feature's on/off cost against its budget).
 LITELLM_VENV ?= $(HOME)/.cache/brownout/litellm-venv
 litellm-venv:
 	test -x $(LITELLM_VENV)/bin/python || ( $(PYTHON) -m venv $(LITELLM_VENV).tmp && \
@@ -86,6 +86,7 @@ bench: setup vllm-venv litellm-venv
 	if command -v valgrind >/dev/null; then $(PY) bench/instr.py . --recorder \
 	  | tee bench/results/recorder-cost.md; else echo "valgrind missing: recorder cost not measured"; fi
 	$(PY) bench/rollout_ab.py
+	$(PY) bench/otel_ab.py
 	$(PY) bench/guardrails.py
 
 # Coverage-guided fuzzing of the request and SSE parsers and the guard.

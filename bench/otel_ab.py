@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,7 +55,7 @@ def variant_policy(tmp: Path, upstream: str, up_port: int, hole: int, v: str, ta
     if v == "off":
         return pol
     endpoint = f"http://127.0.0.1:{hole if v == 'blackhole' else up_port}/v1/traces"
-    ratio = 0.1 if v == "on10" else 1.0
+    ratio = {"on10": 0.1, "on0": 0.0}.get(v, 1.0)
     pol.write_text(
         pol.read_text()
         + f"telemetry:\n  otlp_endpoint: {endpoint}\n  sample_ratio: {ratio}\n"
@@ -98,10 +99,12 @@ def throughput(
     return samples
 
 
-def instructions(tmp: Path, up_port: int, hole: int, n: int, conc: int) -> dict[str, float]:
+def instructions(
+    tmp: Path, up_port: int, hole: int, n: int, conc: int, which: Sequence[str] = ()
+) -> dict[str, float]:
     upstream = f"http://127.0.0.1:{up_port}/short"
     out: dict[str, float] = {}
-    for v in VARIANTS:
+    for v in which or VARIANTS:
         port = free_port()
         pol = variant_policy(tmp, upstream, up_port, hole, v, "cg")
         dump = tmp / f"cg-{v}"
@@ -121,6 +124,13 @@ def main() -> int:
     ap.add_argument("--conc", type=int, default=16)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--no-instr", action="store_true")
+    ap.add_argument(
+        "--instr-only",
+        nargs="*",
+        choices=(*VARIANTS, "on0"),
+        help="only instructions / request of these variants (all when none named), "
+        "printed, no report; `on0`: sample_ratio 0 (the unsampled path alone)",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="brownout-otel-"))
     up_port = free_port()
@@ -132,6 +142,14 @@ def main() -> int:
     hole.bind(("127.0.0.1", 0))
     hole.listen(4096)
     hole_port = hole.getsockname()[1]
+    if args.instr_only is not None:
+        try:
+            wait_port(up_port)
+            instructions(tmp, up_port, hole_port, args.requests, args.conc, args.instr_only)
+        finally:
+            stop([upstream])
+            hole.close()
+        return 0
     try:
         wait_port(up_port)
         samples = throughput(tmp, up_port, hole_port, args.rounds, args.duration, args.conc)

@@ -27,6 +27,8 @@ def upstream_headers(rec: RequestRecord, up: Upstream, *, entity: bool = True) -
     if trace is not None:
         # The attempt's span is the backend's parent (the client's traceparent, ours).
         trace.inject(out)
+    elif rec.traceparent is not None:  # tracing on, this request not recorded
+        out["traceparent"] = rec.traceparent
     if not entity:
         out.popall("Content-Type", None)
     return out

@@ -42,7 +42,7 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
     inbox = Inbox(rec.rt, rec.rid, rec.request, rec.body)
     tracing = rec.rt.tracing
     if tracing is not None:
-        rec.trace = tracing.start(rec)
+        tracing.start(rec)  # rec.trace when sampled, else only rec.traceparent
     term: Terminal | None = None
     response: web.StreamResponse
     # In flight from here to the record: what a reload's drain waits for.

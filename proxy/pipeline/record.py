@@ -123,7 +123,8 @@ class RequestRecord:
     # The candidate's own failure of this request (a gray release's evidence).
     candidate_fault: str = ""
     # Its spans, when the policy traces (`telemetry.otlp_endpoint`).
-    trace: RequestTrace | None = None
+    trace: RequestTrace | None = None  # a sampled request's spans (telemetry.otlp_endpoint)
+    traceparent: str | None = None  # tracing on, the request not recorded: its backends'
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
 
     def headers(self, backend: str) -> dict[str, str]:

@@ -497,7 +497,8 @@ class Metrics:
         self.trace_spans = Counter(
             "brownout_trace_spans",
             "Trace spans by what became of them: exported, failed (the collector refused "
-            "them or could not be reached), dropped (the export queue was full).",
+            "them or could not be reached), dropped (the export queue was full, or the "
+            "collector was backed off after a failure: not recorded).",
             ["result"],
             registry=r,
         )

@@ -10,23 +10,36 @@ own (`brownout.rescue`).
 
 Attributes: the GenAI semantic conventions (`gen_ai.operation.name`,
 `gen_ai.request.model`, `gen_ai.request.max_tokens`, `gen_ai.system`,
-`gen_ai.usage.input_tokens` / `output_tokens` and `gen_ai.response.*` when the
-answer says), HTTP's (`http.response.status_code`, `server.address`), and
-Brownout's own (`brownout.tier`, `brownout.backend`, `brownout.outcome`,
-`brownout.fault`, `brownout.retry`, `brownout.admission.wait_s`, ...).
+`gen_ai.usage.input_tokens` / `output_tokens` (streamed or not) and
+`gen_ai.response.*` when the answer says), HTTP's
+(`http.response.status_code`, `server.address`), and Brownout's own
+(`brownout.tier`, `brownout.backend`, `brownout.outcome`, `brownout.fault`,
+`brownout.retry`, `brownout.admission.wait_s`, ...).
 
-Nothing here runs unless the policy names a collector: this module (and the
-SDK) is imported only then, and the request path's only cost otherwise is a
-`None` check. When it runs, the event loop does as little as it can: the
-W3C header is parsed and written here, the sampling decision is
-`TraceIdRatioBased`'s (the trace id's low 64 bits against the ratio), and a
-span is a plain record (ids, times, an attribute dict) appended to a bounded
-queue when it ends. The SDK's `Tracer` would cost the loop several times
-more per span (measured: `bench/otel_ab.py`): its spans lock and validate
-every attribute as it is set. The export thread turns the records into the
-SDK's `ReadableSpan`s and hands them to its OTLP/HTTP exporter, so a slow or
-unreachable collector never blocks serving — a full queue drops spans,
-counted in `brownout_trace_spans_total{result="dropped"}`.
+Nothing here runs unless the policy names a collector: this module is
+imported only then, and the request path's only cost otherwise is a `None`
+check. When it runs, the event loop does as little as it can (measured:
+`bench/otel_ab.py`, `bench/results/otel-cost.md`):
+
+- The sampling decision comes first, once per request: the client's sampled
+  flag, else `TraceIdRatioBased`'s rule (the trace id's low 64 bits against
+  the ratio). A request that is not sampled gets no trace object at all:
+  only its backend's `traceparent` string, formatted once (the client's
+  trace id, or a new one, under a span id of ours, flag 00).
+- A sampled span is a plain record (ids, times, an attribute dict) appended
+  to a bounded queue when it ends; the SDK's `Tracer` would cost the loop
+  several times more per span (its spans lock and validate every attribute).
+- The export thread writes OTLP's protobuf itself (`proxy.telemetry.otlp`):
+  the SDK's encoder costs more CPU per request than serving it.
+- A collector that fails (refused, timed out, not 2xx) is backed off: what
+  is queued is dropped, sampled requests are not recorded (their spans
+  counted as dropped, their backends still get a sampled `traceparent`), and
+  the thread probes with an empty export after 1 s, 2 s, ... 30 s until it
+  answers. So an unreachable collector costs the loop what an unsampled
+  request costs, and the thread encodes nothing that it would then lose.
+
+A full queue drops spans too; `brownout_trace_spans_total{result}` counts
+them all.
 """
 
 from __future__ import annotations
@@ -38,24 +51,23 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.sdk.trace.export import SpanExportResult
 from prometheus_client import Counter
 
 from proxy import __version__
 from proxy.policy.telemetry import TelemetryPolicy
+from proxy.telemetry.otlp import CLIENT, SERVER, Encoder, HttpExporter, SpanRecord
 
 if TYPE_CHECKING:
     from proxy.backends.upstream import Upstream
-    from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal
+    from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal, TokenCount
+
+__all__ = ["BatchExport", "RequestTrace", "SpanRecord", "Tracing", "parse_traceparent"]
 
 log = logging.getLogger("brownout.traces")
 _OPERATION = {"chat": "chat", "completions": "text_completion"}
@@ -71,7 +83,13 @@ _REQUEST_PARAMS = (
 # W3C trace context: version-traceid-parentid-flags (a later version may add fields).
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 _MASK64 = (1 << 64) - 1
+# After an export failure: the first probe after this, doubling up to the cap.
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
+# A NamedTuple built from its fields' tuple: half the cost of its keyword-capable __new__.
+_record: Callable[[type[SpanRecord], tuple[Any, ...]], SpanRecord] = tuple.__new__
 T = TypeVar("T")
+T_contra = TypeVar("T_contra", contravariant=True)
 
 
 def parse_traceparent(header: str) -> tuple[int, int, int] | None:
@@ -88,23 +106,6 @@ def parse_traceparent(header: str) -> tuple[int, int, int] | None:
     return trace_id, parent_id, int(flags, 16)
 
 
-class SpanRecord(NamedTuple):
-    """An ended span as the loop leaves it (the export thread builds the SDK's span)."""
-
-    name: str
-    kind: SpanKind
-    trace_id: int
-    span_id: int
-    parent_id: int  # 0: a root span
-    remote_parent: bool
-    flags: int
-    state: str  # the client's tracestate
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-    error: str | None  # the status description of an ERROR span, None: UNSET
-
-
 def traces_url(endpoint: str) -> str:
     """The collector's traces URL: `/v1/traces` added to a URL without a path."""
     parts = urlsplit(endpoint)
@@ -113,46 +114,61 @@ def traces_url(endpoint: str) -> str:
     return urlunsplit(parts)
 
 
-class _CountingExporter(SpanExporter):
-    """The OTLP exporter, its outcomes counted (runs on the export thread)."""
+class Exporter(Protocol[T_contra]):
+    """What the export queue hands its batches to (on its thread)."""
 
-    def __init__(self, inner: SpanExporter, spans: Counter) -> None:
-        self._inner = inner
+    def export(self, spans: Sequence[T_contra], /) -> SpanExportResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+class OtlpExporter:
+    """Span records to the collector (OTLP/HTTP protobuf), outcomes counted."""
+
+    def __init__(self, pol: TelemetryPolicy, encoder: Encoder, spans: Counter) -> None:
+        headers = dict(item.partition("=")[::2] for item in pol.otlp_headers)
+        self._http = HttpExporter(traces_url(pol.otlp_endpoint), headers, pol.export_timeout_s)
+        self._encoder = encoder
         self._exported = spans.labels("exported")
         self._failed = spans.labels("failed")
+        self.error = ""  # the last failure, for the log line
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def export(self, spans: Sequence[SpanRecord], /) -> SpanExportResult:
         try:
-            result = self._inner.export(spans)
-        except Exception:
+            # No spans: an empty request, the probe of a collector backed off.
+            self._http.post(self._encoder.encode(spans) if spans else b"")
+        except Exception as exc:
             self._failed.inc(len(spans))
-            raise
-        (self._exported if result is SpanExportResult.SUCCESS else self._failed).inc(len(spans))
-        return result
+            self.error = str(exc) or type(exc).__name__
+            return SpanExportResult.FAILURE
+        self._exported.inc(len(spans))
+        return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        self._inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._inner.force_flush(timeout_millis)
+        self._http.close()
 
 
 class BatchExport(Generic[T]):
     """Ended spans into a bounded queue; a daemon thread exports them in
     batches (every `batch_delay_s`, or as soon as a batch is full), each
-    turned into the SDK's span by `convert` there, off the loop.
+    span turned into what the exporter takes by `convert` there, off the loop.
 
     The SDK's `BatchSpanProcessor` does the same for its own spans, but logs
     a warning for every span it drops — a log record per span, on the event
     loop, exactly while the collector is unreachable. Here a drop is one
-    counter increment; the thread says what was lost, once per export."""
+    counter increment; the thread says what was lost, once per export.
+
+    A failed export backs off: the queue is emptied (its spans counted as
+    dropped), `accepting` turns False (the tracer records nothing then), and
+    after `BACKOFF_MIN_S`, doubling to `BACKOFF_MAX_S`, the thread probes the
+    collector with an empty export; the first that succeeds turns it back on."""
 
     def __init__(
         self,
-        exporter: SpanExporter,
+        exporter: Exporter[Any],
         pol: TelemetryPolicy,
         dropped: Counter,
-        convert: Callable[[T], ReadableSpan],
+        convert: Callable[[T], Any] | None = None,
     ) -> None:
         self._exporter = exporter
         self._convert = convert
@@ -165,13 +181,26 @@ class BatchExport(Generic[T]):
         self._wake = threading.Event()
         self._closing = False
         self._deadline = float("inf")  # closing: stop exporting after this
+        # Read on the loop: False while the collector is backed off.
+        self.accepting = True
+        self._backoff = 0.0
+        self._probe_at = 0.0
         self._thread = threading.Thread(target=self._run, name="brownout-traces", daemon=True)
         self._thread.start()
+
+    def has_room(self) -> bool:
+        """Whether spans ended now would be kept (on the loop: two reads)."""
+        return self.accepting and len(self._queue) < self._max
+
+    def drop(self, n: int) -> None:
+        """`n` spans not recorded (the collector is backed off, the queue full)."""
+        self._dropped.inc(n)
+        self._drops += n
 
     def on_end(self, span: T) -> None:
         """On the event loop: an append (or a count), never a wait."""
         q = self._queue
-        if len(q) >= self._max or self._closing:
+        if len(q) >= self._max or self._closing or not self.accepting:
             self._dropped.inc()
             self._drops += 1
             return
@@ -180,28 +209,79 @@ class BatchExport(Generic[T]):
             self._wake.set()
 
     def _run(self) -> None:
-        while not self._closing:
-            self._wake.wait(self._delay)
+        while True:
+            wait = self._delay
+            if not self.accepting:
+                wait = max(0.0, self._probe_at - time.monotonic())
+            self._wake.wait(wait)
             self._wake.clear()
+            if self._closing:
+                break
+            if self.accepting:
+                self._export()
+            elif time.monotonic() >= self._probe_at:
+                self._probe()
+        if self.accepting:
             self._export()
-        self._export()
+
+    def _send(self, batch: list[Any]) -> bool:
+        try:
+            result = self._exporter.export(batch)
+        except Exception:
+            log.exception("trace_export_failed")
+            return False
+        return result is not SpanExportResult.FAILURE
 
     def _export(self) -> None:
         q = self._queue
         convert = self._convert
         while q and time.monotonic() < self._deadline:
-            batch = [convert(q.popleft()) for _ in range(min(len(q), self._batch))]
-            try:
-                self._exporter.export(batch)
-            except Exception:
-                log.exception("trace_export_failed")
-            drops, self._drops = self._drops, 0
-            if drops:
-                log.warning(
-                    "trace_spans_dropped: the export queue (telemetry.max_queue_spans) was "
-                    "full, %d span(s) dropped; the collector is slow or unreachable",
-                    drops,
-                )
+            n = min(len(q), self._batch)
+            pop = q.popleft
+            batch = (
+                [pop() for _ in range(n)] if convert is None else [convert(pop()) for _ in range(n)]
+            )
+            ok = self._send(batch)
+            self._say_drops()
+            if not ok:
+                self._back_off()
+                return
+
+    def _say_drops(self) -> None:
+        drops, self._drops = self._drops, 0
+        if drops:
+            log.warning(
+                "trace_spans_dropped: %d span(s) dropped (telemetry.max_queue_spans full, or "
+                "the collector backed off); the collector is slow or unreachable",
+                drops,
+            )
+
+    def _back_off(self) -> None:
+        first = self.accepting
+        self.accepting = False
+        # What is queued would only wait for a collector that is not answering.
+        q, self._queue = self._queue, collections.deque()
+        if q:
+            self._dropped.inc(len(q))
+        self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
+        self._probe_at = time.monotonic() + self._backoff
+        if first:
+            log.warning(
+                "trace_export_failing: %s; spans are not recorded until the collector answers "
+                "(next try in %.3g s)",
+                getattr(self._exporter, "error", "") or "export failed",
+                self._backoff,
+            )
+
+    def _probe(self) -> None:
+        if self._send([]):
+            self._backoff = 0.0
+            self.accepting = True
+            log.warning("trace_export_recovered: the collector answers again; tracing resumed")
+        else:
+            self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+            self._probe_at = time.monotonic() + self._backoff
+        self._say_drops()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Export what is queued within `timeout_s` (blocking: off the loop)."""
@@ -218,29 +298,24 @@ class Tracing:
 
     def __init__(self, pol: TelemetryPolicy, spans: Counter) -> None:
         self.policy = pol
-        headers = dict(item.partition("=")[::2] for item in pol.otlp_headers)
-        exporter = OTLPSpanExporter(
-            endpoint=traces_url(pol.otlp_endpoint),
-            headers=headers or None,
-            timeout=pol.export_timeout_s,
-        )
-        self._resource = Resource.create(
+        # The SDK's resource (telemetry.sdk.* included), encoded once.
+        resource = Resource.create(
             {"service.name": pol.service_name, "service.version": __version__}
         )
-        self._scope = InstrumentationScope("brownout", __version__)
+        encoder = Encoder(dict(resource.attributes), "brownout", __version__)
         # TraceIdRatioBased's rule: sampled when the low 64 bits are below this.
         self._bound = round(pol.sample_ratio * (_MASK64 + 1))
         self._bits = random.getrandbits
-        self._processor = BatchExport(
-            _CountingExporter(exporter, spans),
-            pol,
-            spans.labels("dropped"),
-            convert=self._readable,
+        self._processor: BatchExport[SpanRecord] = BatchExport(
+            OtlpExporter(pol, encoder, spans), pol, spans.labels("dropped")
         )
         self.emit = self._processor.on_end
+        self._names: dict[tuple[str, str], str] = {}
 
-    def start(self, rec: RequestRecord) -> RequestTrace:
-        """The request's span, from its arrival (`rec.t0`) on."""
+    def start(self, rec: RequestRecord) -> None:
+        """The request's sampling decision, from its arrival (`rec.t0`) on:
+        `rec.trace` when it is recorded, else only `rec.traceparent` (what
+        its backends get)."""
         req = rec.request
         header = req.headers.get("traceparent")
         parent = parse_traceparent(header) if header else None
@@ -248,17 +323,27 @@ class Tracing:
         if parent is not None:
             trace_id, parent_id, flags = parent
             flags &= 1  # sampled or not: the client's decision
-            state = req.headers.get("tracestate", "")
         else:
             trace_id = bits(128) or 1
-            parent_id, state = 0, ""
+            parent_id = 0
             flags = 1 if (trace_id & _MASK64) < self._bound else 0
-        trace = RequestTrace(self, trace_id, bits(64) or 1, parent_id, flags, state)
-        if not flags:
-            return trace  # not sampled: only the backend's traceparent
+        span_id = bits(64) or 1
+        proc = self._processor
+        if not flags or not proc.has_room():
+            if flags:  # sampled, but the collector is backed off (or the queue full)
+                proc.drop(1)
+            # (%-formatting: half the time of an f-string's format specs)
+            rec.traceparent = "00-%032x-%016x-0%d" % (trace_id, span_id, flags)  # noqa: UP031
+            return
+        state = req.headers.get("tracestate", "") if parent_id else ""
+        trace = rec.trace = RequestTrace(self, trace_id, span_id, parent_id, state)
         trace.start_ns = time.time_ns() - int((rec.loop.time() - rec.t0) * 1e9)
         op = trace.op = _OPERATION.get(rec.endpoint)
-        trace.name = f"{req.method} {_PATH.get(rec.endpoint, req.path)}"
+        key = (req.method, rec.endpoint)
+        name = self._names.get(key)
+        if name is None:
+            name = self._names[key] = f"{req.method} {_PATH.get(rec.endpoint, req.path)}"
+        trace.name = name
         attrs = trace.attrs = {
             "http.request.method": req.method,
             "url.path": req.path,
@@ -272,67 +357,40 @@ class Tracing:
             model = body.get("model")
             if isinstance(model, str):
                 attrs["gen_ai.request.model"] = model
-            for key, attr in _REQUEST_PARAMS:
-                v = body.get(key)
+            for key_, attr in _REQUEST_PARAMS:
+                v = body.get(key_)
                 if v is not None and isinstance(v, int | float) and not isinstance(v, bool):
                     attrs[attr] = v
         if rec.session is not None:
             attrs["brownout.session"] = True
-        return trace
-
-    def _readable(self, r: SpanRecord) -> ReadableSpan:
-        """A record as the SDK's span (on the export thread)."""
-        state = TraceState.from_header([r.state]) if r.state else None
-        flags = TraceFlags(r.flags)
-        parent = (
-            SpanContext(r.trace_id, r.parent_id, r.remote_parent, flags, state)
-            if r.parent_id
-            else None
-        )
-        return ReadableSpan(
-            r.name,
-            context=SpanContext(r.trace_id, r.span_id, False, flags, state),
-            parent=parent,
-            resource=self._resource,
-            attributes=r.attributes,
-            kind=r.kind,
-            status=Status(StatusCode.ERROR, r.error) if r.error is not None else _UNSET,
-            start_time=r.start_ns,
-            end_time=r.end_ns,
-            instrumentation_scope=self._scope,
-        )
 
     def shutdown(self, timeout_s: float) -> None:
         """Export what is queued, within `timeout_s` (blocking: run it off the loop)."""
         self._processor.shutdown(timeout_s)
 
 
-_UNSET = Status(StatusCode.UNSET)
-
-
 class _Attempt:
     """The attempt span in progress."""
 
-    __slots__ = ("attrs", "name", "span_id", "start_ns")
+    __slots__ = ("attrs", "backend", "name", "span_id", "start_ns")
 
-    def __init__(self, name: str, span_id: int, attrs: dict[str, Any]) -> None:
+    def __init__(self, name: str, backend: str, span_id: int, attrs: dict[str, Any]) -> None:
         self.name = name
+        self.backend = backend
         self.span_id = span_id
         self.attrs = attrs
         self.start_ns = time.time_ns()
 
 
 class RequestTrace:
-    """One request's spans: the request span and the attempt in progress.
-    A request that is not sampled records nothing; its backend still gets a
-    `traceparent` (this request span's id, in the same trace)."""
+    """A sampled request's spans: the request span and the attempt in progress
+    (a request that is not sampled has none: `Tracing.start`)."""
 
     __slots__ = (
         "_tracing",
         "attempt",
         "attempts",
         "attrs",
-        "flags",
         "name",
         "op",
         "parent_id",
@@ -340,23 +398,15 @@ class RequestTrace:
         "start_ns",
         "state",
         "trace_id",
-        "usage",
     )
 
     def __init__(
-        self,
-        tracing: Tracing,
-        trace_id: int,
-        span_id: int,
-        parent_id: int,
-        flags: int,
-        state: str,
+        self, tracing: Tracing, trace_id: int, span_id: int, parent_id: int, state: str
     ) -> None:
         self._tracing = tracing
         self.trace_id = trace_id
         self.span_id = span_id
         self.parent_id = parent_id
-        self.flags = flags  # 1: sampled (recorded and exported)
         self.state = state
         self.start_ns = 0
         self.name = ""
@@ -364,7 +414,6 @@ class RequestTrace:
         self.attrs: dict[str, Any] = {}
         self.attempt: _Attempt | None = None
         self.attempts = 0
-        self.usage: tuple[int, int] | None = None  # (input, output) tokens, once known
 
     def begin_attempt(
         self,
@@ -377,8 +426,6 @@ class RequestTrace:
     ) -> None:
         """A child span for an attempt on `up` (the `traceparent` it gets)."""
         self.attempts += 1
-        if not self.flags:
-            return
         self.end_attempt(None)
         model = up.policy.model or rec.model
         base = up.base
@@ -406,7 +453,7 @@ class RequestTrace:
             attrs["brownout.rescue_from"] = rescue_from
         op = op or "http"
         name = f"{op} {model}" if model else f"{op} {up.name}"
-        self.attempt = _Attempt(name, self._tracing._bits(64) or 1, attrs)
+        self.attempt = _Attempt(name, up.name, self._tracing._bits(64) or 1, attrs)
 
     def admission_wait(self, wait_s: float, result: str) -> None:
         """The admission queue's wait before this attempt (the primary, when
@@ -421,38 +468,39 @@ class RequestTrace:
         client's `tracestate` is passed through with the other headers)."""
         a = self.attempt
         span_id = a.span_id if a is not None else self.span_id
-        headers["traceparent"] = f"00-{self.trace_id:032x}-{span_id:016x}-{self.flags:02x}"
+        headers["traceparent"] = "00-%032x-%016x-01" % (self.trace_id, span_id)  # noqa: UP031
 
     def _emit(
         self,
         name: str,
-        kind: SpanKind,
+        kind: int,
         span_id: int,
         parent_id: int,
         start_ns: int,
         attrs: dict[str, Any],
         error: str | None,
     ) -> None:
-        remote = parent_id == self.parent_id
         self._tracing.emit(
-            SpanRecord(
-                name,
-                kind,
-                self.trace_id,
-                span_id,
-                parent_id,
-                remote,
-                self.flags,
-                self.state,
-                start_ns,
-                time.time_ns(),
-                attrs,
-                error,
+            _record(
+                SpanRecord,
+                (
+                    name,
+                    kind,
+                    self.trace_id,
+                    span_id,
+                    parent_id,
+                    parent_id == self.parent_id,  # the client's span: a remote parent
+                    self.state,
+                    start_ns,
+                    time.time_ns(),
+                    attrs,
+                    error,
+                ),
             )
         )
 
     def _end(self, a: _Attempt, error: str | None) -> None:
-        self._emit(a.name, SpanKind.CLIENT, a.span_id, self.span_id, a.start_ns, a.attrs, error)
+        self._emit(a.name, CLIENT, a.span_id, self.span_id, a.start_ns, a.attrs, error)
 
     def end_attempt(self, result: AttemptResult | None, decision: str = "") -> None:
         """The attempt's outcome (`None`: it ended without one, an exception)."""
@@ -475,8 +523,10 @@ class RequestTrace:
             attrs["brownout.detail"] = result.detail[:256]
         if result.ttft is not None:
             attrs["brownout.upstream_ttft_s"] = round(result.ttft, 6)
+        if result.tokens:
+            _usage(result.tokens, a.backend, attrs)
         if result.kind == "answered" and result.status == 200 and not result.delivered:
-            self._answer_attributes(result, attrs)
+            _answer_attributes(result, attrs)
         failed = result.kind in ("failed", "ended")
         self._end(a, (result.fault or result.outcome) if failed else None)
 
@@ -489,39 +539,13 @@ class RequestTrace:
         self.attempt = None
         outcome = "not_taken_over" if result is None else result.outcome
         a.attrs["brownout.outcome"] = outcome
+        if result is not None and result.tokens:
+            _usage(result.tokens, a.backend, a.attrs)
         ok = result is not None and result.kind == "answered"
         self._end(a, None if ok else f"rescue {outcome}")
 
-    def _answer_attributes(self, result: AttemptResult, attrs: dict[str, Any]) -> None:
-        """gen_ai.usage.* and gen_ai.response.* of a whole (non-streaming) answer."""
-        body = getattr(result.response, "body", None)
-        if not isinstance(body, bytes) or not body.startswith(b"{"):
-            return
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(obj, dict):
-            return
-        _response_attributes(obj, attrs)
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.note_usage(usage, attrs)
-
-    def note_usage(self, usage: Mapping[str, Any], attrs: dict[str, Any] | None = None) -> None:
-        """An answer's `usage` object (on the attempt, and the request at its end)."""
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if not isinstance(prompt, int) or not isinstance(completion, int):
-            return
-        self.usage = (prompt, completion)
-        if attrs is not None:
-            attrs["gen_ai.usage.input_tokens"] = prompt
-            attrs["gen_ai.usage.output_tokens"] = completion
-
     def finish(self, rec: RequestRecord, term: Terminal) -> None:
         """The request's end: what the client got."""
-        if not self.flags:
-            return
         self.end_attempt(None)  # one still open: the request ended under it
         attrs = self.attrs
         attrs["http.response.status_code"] = term.status
@@ -535,22 +559,46 @@ class RequestTrace:
             attrs["brownout.ttft_s"] = round(term.client_ttft, 6)
         if term.detail:
             attrs["brownout.detail"] = term.detail[:256]
-        usage = self.usage
-        if usage is not None:
-            attrs["gen_ai.usage.input_tokens"] = usage[0]
-            attrs["gen_ai.usage.output_tokens"] = usage[1]
+        tokens = term.tokens
+        if tokens:
+            # Every backend that answered (a rescued stream: both halves).
+            attrs["gen_ai.usage.input_tokens"] = sum(t.prompt for t in tokens)
+            attrs["gen_ai.usage.output_tokens"] = sum(t.completion for t in tokens)
         error = term.stream_error or (term.outcome if term.status >= 500 else "")
         if error:
             attrs["error.type"] = error
         self._emit(
             self.name,
-            SpanKind.SERVER,
+            SERVER,
             self.span_id,
             self.parent_id,
             self.start_ns,
             attrs,
             error or None,
         )
+
+
+def _usage(tokens: tuple[TokenCount, ...], backend: str, attrs: dict[str, Any]) -> None:
+    """The attempt's backend's usage (an answer's `usage`, streamed or not)
+    on its span; the request's is the sum, at its end."""
+    for t in reversed(tokens):
+        if t.backend == backend:
+            attrs["gen_ai.usage.input_tokens"] = t.prompt
+            attrs["gen_ai.usage.output_tokens"] = t.completion
+            return
+
+
+def _answer_attributes(result: AttemptResult, attrs: dict[str, Any]) -> None:
+    """gen_ai.response.* of a whole (non-streaming) answer."""
+    body = getattr(result.response, "body", None)
+    if not isinstance(body, bytes) or not body.startswith(b"{"):
+        return
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return
+    if isinstance(obj, dict):
+        _response_attributes(obj, attrs)
 
 
 def _response_attributes(obj: Mapping[str, Any], attrs: dict[str, Any]) -> None:

@@ -37,6 +37,8 @@ from tests.integration.conftest import (
     make_policy,
 )
 from tests.integration.test_pipeline import metrics, total
+from tests.integration.test_rescue_capabilities import cut_after
+from tests.integration.test_token_telemetry import PROMPT_TOKENS, content, vllm_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
@@ -208,6 +210,51 @@ async def test_request_and_attempt_spans_continue_the_clients_trace_to_the_backe
     async with proxy.session.get(proxy.url + "/metrics") as r:
         text = await r.text()
     assert 'brownout_trace_spans_total{result="exported"} 2.0' in text
+
+
+async def test_a_streamed_answers_usage_is_on_its_attempt_and_request_spans(
+    fresh: Collector, fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """A stream's token counts (the usage chunk Brownout asks vLLM for) land
+    on the attempt and the request span as they do for a JSON answer."""
+    fake_upstream.handlers[CHAT] = vllm_stream(["a ", "b ", "c"])
+    knobs = telemetry(fresh.url + "/v1/traces", otlp_headers=["X-Scope-OrgID=team-a"])
+    proxy = await start_proxy(make_policy(fake_upstream.url, extra=knobs))
+    async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert b'"usage"' not in raw  # the client did not ask: the chunk was Brownout's
+    spans = by_name(await fresh.spans(2))
+    [server], [client] = spans["SERVER"], spans["CLIENT"]
+    for span in (server, client):
+        a = span["attributes"]
+        assert a["gen_ai.usage.input_tokens"] == PROMPT_TOKENS, span["kind"]
+        assert a["gen_ai.usage.output_tokens"] == 3, span["kind"]
+    assert server["attributes"]["brownout.stream"] is True
+    assert server["headers"]["X-Scope-OrgID"] == "team-a"  # the policy's otlp_headers
+
+
+async def test_a_rescued_streams_usage_is_on_each_leg_and_summed_on_the_request(
+    fresh: Collector,
+    fake_upstream: FakeUpstream,
+    fallback_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+) -> None:
+    fake_upstream.handlers[CHAT] = cut_after(content("The ") + content("answer "))
+    fallback_upstream.handlers[CHAT] = vllm_stream(["is ", "42."])
+    pol = make_policy(fake_upstream.url, fallback_upstream.url, telemetry(fresh.url))
+    proxy = await start_proxy(pol)
+    async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as r:
+        assert b"42." in await r.read()
+    spans = by_name(await fresh.spans(3))
+    [server] = spans["SERVER"]
+    cut, rescue = sorted(spans["CLIENT"], key=lambda s: s["attributes"]["brownout.attempt"])
+    # The cut leg sent no usage; the fallback's leg did.
+    assert "gen_ai.usage.output_tokens" not in cut["attributes"]
+    r = rescue["attributes"]
+    assert r["brownout.rescue"] is True and r["gen_ai.usage.output_tokens"] == 2
+    assert server["attributes"]["gen_ai.usage.output_tokens"] == r["gen_ai.usage.output_tokens"]
+    assert server["attributes"]["gen_ai.usage.input_tokens"] == r["gen_ai.usage.input_tokens"]
 
 
 async def test_each_attempt_is_a_span_and_each_backend_gets_its_own_parent(

@@ -4,14 +4,18 @@ on the collector — and shutting down is bounded."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
+import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from proxy.policy.telemetry import TelemetryPolicy
+from proxy.telemetry import tracing
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.tracing import BatchExport, traces_url
 
@@ -83,3 +87,128 @@ def test_an_endpoint_without_a_path_gets_the_traces_path() -> None:
     assert traces_url("http://otel:4318") == "http://otel:4318/v1/traces"
     assert traces_url("http://otel:4318/") == "http://otel:4318/v1/traces"
     assert traces_url("https://otel/custom/traces") == "https://otel/custom/traces"
+
+
+class Failing(SpanExporter):
+    """A collector that fails until told otherwise; what it was sent, kept."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.batches: list[int] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.batches.append(len(spans))
+        self.entered.set()
+        self.release.wait(10)
+        return SpanExportResult.SUCCESS if self.ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        pass
+
+
+def wait_for(cond: Callable[[], bool], limit_s: float = 5.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_a_failing_collector_is_backed_off_and_probed_until_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a failed export nothing more is queued (nor encoded to be lost):
+    the queue is dropped and counted, the tracer stops recording
+    (`has_room`), and the thread probes with empty exports, further apart
+    each time, until one succeeds."""
+    monkeypatch.setattr(tracing, "BACKOFF_MIN_S", 0.05)
+    m = Metrics()
+    exporter = Failing()
+    exporter.release.clear()
+    pol = TelemetryPolicy(otlp_endpoint="http://x", max_batch_spans=4, batch_delay_s=0.5)
+    batch = BatchExport(exporter, pol, m.trace_spans.labels("dropped"), same)
+    try:
+        for _ in range(4):
+            batch.on_end(ReadableSpan("s"))
+        assert exporter.entered.wait(5)  # the first batch is being sent (and will fail)
+        for _ in range(2):
+            batch.on_end(ReadableSpan("queued"))
+        exporter.release.set()
+        wait_for(lambda: not batch.accepting)
+        assert exporter.batches[0] == 4
+        assert not batch.has_room()
+        assert dropped(m) == 2  # the rest of the queue, not sent to a failing collector
+        batch.on_end(ReadableSpan("late"))  # (the tracer does not even build them)
+        assert dropped(m) == 3
+        wait_for(lambda: len(exporter.batches) >= 3)
+        assert exporter.batches[1:3] == [0, 0]  # probes: empty exports
+        exporter.ok = True
+        wait_for(lambda: batch.accepting)
+        assert batch.has_room()
+        n = len(exporter.batches)
+        batch.on_end(ReadableSpan("again"))
+        wait_for(lambda: len(exporter.batches) > n and exporter.batches[-1] == 1)
+    finally:
+        batch.shutdown(1.0)
+
+
+def test_probes_back_off_exponentially(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing, "BACKOFF_MIN_S", 0.04)
+    monkeypatch.setattr(tracing, "BACKOFF_MAX_S", 0.16)
+    m = Metrics()
+    exporter = Failing()
+    times: list[float] = []
+    real = exporter.export
+
+    def timed(spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        times.append(time.monotonic())
+        return real(spans)
+
+    exporter.export = timed  # type: ignore[method-assign]
+    pol = TelemetryPolicy(otlp_endpoint="http://x", max_batch_spans=1, batch_delay_s=0.01)
+    batch = BatchExport(exporter, pol, m.trace_spans.labels("dropped"), same)
+    try:
+        batch.on_end(ReadableSpan("s"))
+        wait_for(lambda: len(times) >= 6)
+    finally:
+        batch.shutdown(1.0)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # 0.04, 0.08, 0.16, then capped at 0.16 (a loaded machine only adds).
+    assert gaps[0] >= 0.035 and gaps[1] >= 0.075 and gaps[2] >= 0.15 and gaps[3] >= 0.15
+    assert batch._backoff == 0.16  # capped, not doubling on
+
+
+def test_an_unsampled_request_builds_no_trace_and_a_backed_off_one_keeps_its_flag() -> None:
+    """Not sampled: no trace object, only the backend's traceparent (the
+    client's trace id, a span id of ours, flag 00). Sampled while the
+    collector is backed off: the same, flag 01, its span counted as dropped."""
+    m = Metrics()
+    pol = TelemetryPolicy(otlp_endpoint="http://127.0.0.1:9", sample_ratio=0.0)
+    t = tracing.Tracing(pol, m.trace_spans)
+    try:
+        client = "0af7651916cd43dd8448eb211c80319c"
+
+        def rec(header: str | None) -> SimpleNamespace:
+            headers = {"traceparent": header} if header else {}
+            return SimpleNamespace(request=SimpleNamespace(headers=headers), trace=None)
+
+        r = rec(f"00-{client}-b7ad6b7169203331-00")
+        t.start(r)  # type: ignore[arg-type]
+        assert r.trace is None
+        version, trace_id, span_id, flags = r.traceparent.split("-")
+        assert (version, trace_id, flags) == ("00", client, "00")
+        assert span_id != "b7ad6b7169203331" and len(span_id) == 16
+        r = rec(None)  # sample_ratio 0: never sampled
+        t.start(r)  # type: ignore[arg-type]
+        assert r.trace is None and r.traceparent.endswith("-00")
+        assert r.traceparent.split("-")[1] != client
+        t._processor.accepting = False  # backed off
+        r = rec(f"00-{client}-b7ad6b7169203331-01")
+        t.start(r)  # type: ignore[arg-type]
+        assert r.trace is None
+        assert r.traceparent.startswith(f"00-{client}-") and r.traceparent.endswith("-01")
+        assert dropped(m) == 1
+    finally:
+        t.shutdown(0.5)
