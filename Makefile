@@ -66,7 +66,7 @@ unit: setup
 
 # Benchmarks against nginx, a bare aiohttp relay and LiteLLM (needs wrk; the
 # LiteLLM proxy lives in its own cached venv; valgrind for the instruction
-# counts). Writes bench/results/latest.md, overhead.md, guard.md, rollout-cost.md and
+# counts). Writes bench/results/latest.md, overhead.md, guard.md, rollout-cost.md,
 # otel-cost.md and guardrails.md (every optional feature's on/off cost against its budget).
 LITELLM_VENV ?= $(HOME)/.cache/brownout/litellm-venv
 litellm-venv:
