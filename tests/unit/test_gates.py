@@ -746,3 +746,51 @@ def test_a_sliding_window_of_2000_samples_per_arm_judges_as_sorting_did() -> Non
             rep = _same_as_sorting(g, t)
             verdicts.add(by_gate(rep)["p99_ratio"].verdict)
     assert "pass" in verdicts  # the p99 intervals were computed and judged
+
+
+def _check_runs(series: _Series, run: int) -> None:
+    """The kept order's runs: each sorted, in order one after the other, no
+    run empty or longer than 2·run, `maxes` their last values, the same
+    multiset as the window."""
+    runs = series.runs
+    assert all(r and len(r) <= 2 * run for r in runs)
+    assert series.maxes == [r[-1] for r in runs]
+    flat = [v for r in runs for v in r]
+    assert flat == sorted(flat)
+    assert flat == sorted(v for _, v in series.q)
+    assert series.sorted() == flat
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    run=st.sampled_from([1, 2, 3, 4, 8]),
+    cap=st.integers(1, 300),
+    ties=st.booleans(),
+)
+def test_the_kept_runs_stay_sorted_split_and_joined(
+    seed: int, run: int, cap: int, ties: bool
+) -> None:
+    """Short runs (so that adds split them and pops join them all the time):
+    after every add, pop at the cap and prune (a few, or most of the window at
+    once), the runs hold the window's values in order; at the cap and without."""
+    rng = random.Random(seed)
+    with patch("proxy.control.gates._RUN", run):
+        s = _Series(cap)
+        t = 0.0
+        for i in range(600):
+            t += rng.random()
+            v = rng.choice([0.0, 0.25, 0.25, 1.0]) if ties else rng.random()
+            s.add(t, v)
+            if i % 7 == 0:
+                _check_runs(s, run)
+            r = rng.random()
+            if r < 0.05:
+                s.prune(t - rng.random() * 20)  # a few leave: bisected deletes
+            elif r < 0.06:
+                s.prune(t - rng.random() * 2)  # most leave: rebuilt
+            if i % 7 == 0 or r < 0.06:
+                _check_runs(s, run)
+        s.prune(t + 1)
+        _check_runs(s, run)
+        assert s.sorted() == []
