@@ -405,8 +405,8 @@ def report(
         "",
     ]
     lines += [
-        "What each optimisation of the routing path bought (instructions per call, "
-        "per change): `rollout-cost-changes.md`.",
+        "The rollout's own per-request work alone (routing and the gates' sample, "
+        "in process): `bench/rollout_path.py`.",
         "",
     ]
     return "\n".join(lines), ok
