@@ -887,6 +887,56 @@ async def test_redis_outage_is_served_statelessly_and_recovers(
     assert history is not None and len(history) == 6
 
 
+async def test_each_request_is_one_redis_round_trip_to_load_and_one_to_save(
+    fake_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    private_redis: PrivateRedis,
+    key_prefix: str,
+) -> None:
+    """Issue 24, seen from Redis (MONITOR): a request with a session sends
+    one EVALSHA to load it and one to save its turn — no other command, for
+    a new session and for one with history, streamed or not."""
+    ChatFake(fake_upstream)
+    sessions = redis_sessions(key_prefix, private_redis.url, max_turns=2)
+    proxy = await start_proxy(policy(fake_upstream.url, sessions=sessions))
+    assert (await ask(proxy, "warm-up", sid=new_sid())).status == 200  # connect, load scripts
+    admin = aioredis.Redis.from_url(private_redis.url, decode_responses=True)
+    seen: list[str] = []
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    async def watch() -> None:
+        async with admin.monitor() as m:
+            await admin.echo("rt-start")
+            while True:
+                cmd = await m.next_command()
+                if cmd["command"] == "ECHO rt-start":
+                    started.set()
+                elif cmd["command"] == "ECHO rt-end":
+                    ended.set()
+                    return
+                elif started.is_set() and cmd["client_type"] != "lua":
+                    seen.append(cmd["command"].split(" ", 1)[0].upper())
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait_for(started.wait(), 5)
+        sids = [new_sid(), new_sid()]
+        asked = 0
+        for turn in range(3):  # new, with history, then trimmed to max_turns
+            for sid, stream in zip(sids, (True, False), strict=True):
+                r = await ask(proxy, f"turn {turn}", sid=sid, stream=stream)
+                assert r.status == 200 and r.session == "used"
+                asked += 1
+        await admin.echo("rt-end")
+        await asyncio.wait_for(ended.wait(), 5)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await admin.aclose()
+    assert seen == ["EVALSHA"] * (2 * asked)
+
+
 # =========================================================================== 6
 
 
