@@ -452,6 +452,32 @@ async def test_three_turn_conversation_forwards_the_merged_history(
     assert await metric(proxy, "brownout_session_ops_total", {"op": "load", "result": "ok"}) == 3
 
 
+async def test_a_long_stream_read_in_big_regions_is_saved_whole(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The saved answer of a stream the relay reads in big regions (runs of
+    text chunks, whose text is taken from the relay's cut: issue 24) is the
+    whole answer, escapes and all."""
+    chat = ChatFake(fake_upstream)
+    words = [f"w{i}" + (' "q" ' if i % 7 == 0 else " é ") for i in range(600)]
+
+    async def big_reads(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        events = [ROLE_CHUNK, *(chunk(w) for w in words), chunk("", "stop"), DONE]
+        for i in range(0, len(events), 150):
+            await resp.write(b"".join(events[i : i + 150]))
+        return resp
+
+    chat.script.append(big_reads)
+    proxy = await start_proxy(policy(fake_upstream.url, sessions={}))
+    sid = new_sid()
+    r = await ask(proxy, "long one", sid=sid)
+    assert r.status == 200 and r.text == "".join(words)
+    r = await ask(proxy, "next", sid=sid)
+    assert chat.messages() == [SYSTEM, user("long one"), assistant("".join(words)), user("next")]
+
+
 @pytest.mark.real
 async def test_redis_holds_history_and_last_active_with_ttl_refreshed_and_max_turns(
     fake_upstream: FakeUpstream,
