@@ -200,6 +200,10 @@ def main() -> int:
                 sessions=args.sessions,
                 primary_extra="" if rec else extra,
                 redis_url=redis_url,
+                # Under callgrind a Redis call takes far longer than the
+                # default 0.25 s deadline: timed-out calls would take other
+                # paths (stragglers, reconnects, queued saves) from run to run.
+                redis_timeout_s=30.0,
             )
             if rec:
                 with pol.open("a") as f:
