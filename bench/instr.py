@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/instr.py TREE [TREE ...] [--requests 1000] [--conc 16]
         [--kind short|long|usage] [--extra-path DIR] [--bare] [--usage-off-too] [--recorder]
+        [--sessions]
 
 A count of executed instructions does not move with the other work on a
 shared machine, which the requests/s and CPU-time figures of `bench/ab.py`
@@ -19,7 +20,9 @@ read of its own, as from a real engine; `--usage-off-too`
 measures each tree that knows the knob a second time with
 `backends.primary.stream_usage: false` (token telemetry on vs off in one run);
 `--recorder` measures each tree with the flight recorder off and then on
-(its writer thread included).
+(its writer thread included); `--sessions` turns Redis sessions on (a private
+`redis-server`) and sends a fresh `X-Session-Id` per request: a session load
+and save on every request, as `bench/run.py`'s Redis variant.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -47,11 +51,14 @@ BODY = (
 )
 
 
-async def load(url: str, n: int, conc: int, sticky: bool = False) -> None:
+async def load(url: str, n: int, conc: int, sticky: bool = False, sessions: bool = False) -> None:
     """`n` streaming chat requests, `conc` at a time; `sticky`: each with a
-    fresh `X-Bench-User` (a rollout's sticky key, as bench/post.lua sends it)."""
+    fresh `X-Bench-User` (a rollout's sticky key, as bench/post.lua sends it);
+    `sessions`: each with a fresh `X-Session-Id` (a session load and save per
+    request, as bench/post.lua's BENCH_SESSIONS=1)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
         left = n
+        run_id = uuid.uuid4().hex[:12]
 
         async def worker() -> None:
             nonlocal left
@@ -60,6 +67,8 @@ async def load(url: str, n: int, conc: int, sticky: bool = False) -> None:
                 headers = {"Content-Type": "application/json"}
                 if sticky:
                     headers["X-Bench-User"] = f"user-{left}"
+                if sessions:
+                    headers["X-Session-Id"] = f"bench-{run_id}-{left}"
                 async with s.post(url, data=BODY, headers=headers) as r:
                     await r.read()
                     assert r.status == 200, r.status
@@ -78,19 +87,36 @@ def callgrind(out: Path, cmd: list[str], cwd: Path, env: dict[str, str]) -> subp
 
 
 def measure(
-    p: subprocess.Popen[bytes], port: int, out: Path, n: int, conc: int, sticky: bool = False
+    p: subprocess.Popen[bytes],
+    port: int,
+    out: Path,
+    n: int,
+    conc: int,
+    sticky: bool = False,
+    sessions: bool = False,
 ) -> float:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     wait_port(port, 600)
-    asyncio.run(load(url, 200, conc, sticky))  # warm-up: connections, caches, lazy imports
+    asyncio.run(
+        load(url, 200, conc, sticky, sessions)
+    )  # warm-up: connections, caches, lazy imports
     subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
-    asyncio.run(load(url, n, conc, sticky))
+    asyncio.run(load(url, n, conc, sticky, sessions))
     subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True)
     dumps = sorted(glob.glob(f"{out}*"), key=os.path.getmtime)
     text = Path(dumps[-1]).read_text(errors="replace")
     m = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
     assert m, dumps[-1]
     return int(m.group(1)) / n
+
+
+def start_redis(tmp: Path, port: int) -> subprocess.Popen[bytes]:
+    """A private redis-server (no persistence): the shared one has other users."""
+    return subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
 
 
 def knows_stream_usage(tree: Path) -> bool:
@@ -114,6 +140,11 @@ def main() -> int:
         help="each tree again with backends.primary.stream_usage: false",
     )
     ap.add_argument(
+        "--sessions",
+        action="store_true",
+        help="Redis sessions on (a private redis-server), a fresh X-Session-Id per request",
+    )
+    ap.add_argument(
         "--recorder",
         action="store_true",
         help="measure each tree twice: flight recorder off, then on (its cost, issue 22)",
@@ -131,6 +162,12 @@ def main() -> int:
         procs.append(start_static_upstream(tmp, up_port))
         upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
     wait_port(up_port)
+    redis_url = "redis://127.0.0.1:6379/0"
+    if args.sessions:
+        redis_port = free_port()
+        procs.append(start_redis(tmp, redis_port))
+        wait_port(redis_port)
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
     results: list[tuple[str, float]] = []
     try:
         if args.bare:
@@ -157,7 +194,16 @@ def main() -> int:
             port = free_port()
             rec = extra == "recorder"
             pol = brownout_policy(
-                tmp, upstream, f"instr{i}", sessions=False, primary_extra="" if rec else extra
+                tmp,
+                upstream,
+                f"instr{i}",
+                sessions=args.sessions,
+                primary_extra="" if rec else extra,
+                redis_url=redis_url,
+                # Under callgrind a Redis call takes far longer than the
+                # default 0.25 s deadline: timed-out calls would take other
+                # paths (stragglers, reconnects, queued saves) from run to run.
+                redis_timeout_s=30.0,
             )
             if rec:
                 with pol.open("a") as f:
@@ -167,7 +213,8 @@ def main() -> int:
             p = callgrind(out, serve_cmd(pol, port), tree, {**os.environ, "PYTHONPATH": pp})
             procs.append(p)
             name = f"{tree}{label}"
-            results.append((name, measure(p, port, out, args.requests, args.conc)))
+            ir = measure(p, port, out, args.requests, args.conc, sessions=args.sessions)
+            results.append((name, ir))
             print(f"{name}: {results[-1][1]:,.0f} instructions / request", flush=True)
             stop([p])
     finally:
@@ -177,7 +224,8 @@ def main() -> int:
             for f in glob.glob(f"{tmp}/cg-*"):
                 shutil.copy(f, args.keep)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n{args.kind} streams, {args.requests} requests, {args.conc} at a time")
+    sess = ", Redis sessions (a fresh session per request)" if args.sessions else ""
+    print(f"\n{args.kind} streams, {args.requests} requests, {args.conc} at a time{sess}")
     for name, ir in results:
         print(f"| {name} | {ir:,.0f} |")
     if args.recorder and not args.usage_off_too:

@@ -177,6 +177,8 @@ def brownout_policy(
     *,
     candidate: str | None = None,
     extra: str = "",
+    redis_url: str = "redis://127.0.0.1:6379/0",
+    redis_timeout_s: float | None = None,
 ) -> Path:
     """The benchmarks' policy; `candidate` adds `backends.candidate` (same
     health settings as the primary), `extra` is appended (a `rollout:` section)."""
@@ -187,11 +189,12 @@ def brownout_policy(
         else ""
     )
     store = (
-        f"  store: redis://127.0.0.1:6379/0\n  key_prefix: 'brownout-bench:{os.getpid()}:'\n"
+        f"  store: {redis_url}\n  key_prefix: 'brownout-bench:{os.getpid()}:'\n"
         "  ttl_s: 120\n"
         # A fresh session per request, all from one address: the per-client
         # cap would refuse them after 10,000.
         "  max_sessions_per_client: 0\n"
+        + (f"  redis_timeout_s: {redis_timeout_s}\n" if redis_timeout_s is not None else "")
         if sessions
         else ""
     )

@@ -38,18 +38,20 @@ class Run:
     start: int
     end: int
     literals: list[bytes]  # each chunk's raw JSON string contents (escapes kept)
+    chat: bool = True  # the literals are `"content"` (chat), else `"text"` (completions)
 
 
 class ChunkRuns:
     """Per stream: learns the envelope, then finds runs of it in regions."""
 
-    __slots__ = ("_failures", "_junction", "_last", "_literal", "_prefix", "_suffix")
+    __slots__ = ("_chat", "_failures", "_junction", "_last", "_literal", "_prefix", "_suffix")
 
     def __init__(self) -> None:
         self._prefix = b""
         self._suffix = b""
         self._junction = b""
         self._literal: Callable[[bytes], bytes] | None = None
+        self._chat = True
         self._last: bytes | None = None
         self._failures = 0
 
@@ -104,7 +106,7 @@ class ChunkRuns:
         literals = list(map(literal, lines[0:-2:2]))
         if prefix + self._junction.join(literals) + suffix != mid:
             return None
-        return Run(i, j, literals)
+        return Run(i, j, literals, self._chat)
 
     def _learn(self, event: bytes) -> bool:
         ok = (
@@ -128,6 +130,7 @@ class ChunkRuns:
             self._failures += 1
             return False
         self._prefix, self._suffix, self._junction = prefix, suffix, suffix + prefix
+        self._chat = m.re is CONTENT_RE
         # A C-level slice per event line (the line lacks the suffix's blank line).
         self._literal = cast(
             "Callable[[bytes], bytes]", operator.itemgetter(slice(len(prefix), 2 - len(suffix)))

@@ -17,7 +17,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from proxy.openai.chunks import CONTENT_RE, TEXT_RE, has_finish_reason
+from proxy.openai.chunkrun import Run
+from proxy.openai.chunks import CONTENT_RE, TEXT_RE
 from proxy.openai.sse import DONE, SSEParser
 
 # The C scanner behind json.loads for one string literal (not in typeshed).
@@ -29,27 +30,84 @@ def choices_requested(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
-def partial_text(regions: Sequence[bytes], endpoint: str) -> tuple[str, int]:
+_INDEX0 = b'"choices":[{"index":0,'
+_INDEX0_SPACED = b'"choices": [{"index": 0, '
+
+
+def partial_text(
+    regions: Sequence[bytes], endpoint: str, runs: Sequence[Run | None] | None = None
+) -> tuple[str, int]:
     """Choice 0's text forwarded so far and its number of content chunks
     (≈ tokens: vLLM and the fallback send one token per chunk).
+
+    `runs` (the relay's, one per region: `StreamResult.runs`): the text of a
+    region's run of text chunks is its literals, already cut out by the relay
+    (`proxy.openai.chunkrun`); only the events around the runs are searched.
 
     Fast path (a whole 1,024-chunk answer in well under a millisecond): when
     every event is a single-choice chunk of index 0, the content literals are
     cut out with one regex and decoded at once; anything else is parsed event
     by event.
     """
+    if runs is not None and len(runs) == len(regions):
+        found = _literals_with_runs(regions, runs, endpoint == "chat")
+        if found is not None:
+            return _decoded(*found) or _partial_text_slow(b"".join(regions), endpoint)
     blob = b"".join(regions)
-    k = blob.count(b'"choices":[{"index":0,') or blob.count(b'"choices": [{"index": 0, ')
+    k = blob.count(_INDEX0) or blob.count(_INDEX0_SPACED)
     if k and blob.count(b'"index":') == k:
         literals = (CONTENT_RE if endpoint == "chat" else TEXT_RE).findall(blob)
-        raw = b"".join(literals)
-        try:
-            text = raw.decode() if b"\\" not in raw else _scanstring(raw.decode() + '"', 0)[0]
-        except ValueError:
-            pass
-        else:
-            return text, sum(1 for lit in literals if lit)
+        decoded = _decoded(b"".join(literals), len(literals) - literals.count(b""))
+        if decoded is not None:
+            return decoded
     return _partial_text_slow(blob, endpoint)
+
+
+def _decoded(raw: bytes, chunks: int) -> tuple[str, int] | None:
+    """The text of raw JSON string contents (escapes kept), None if invalid."""
+    try:
+        text = raw.decode() if b"\\" not in raw else _scanstring(raw.decode() + '"', 0)[0]
+    except ValueError:
+        return None
+    return text, chunks
+
+
+def _spans(region: bytes, run: Run | None) -> tuple[tuple[int, int], ...]:
+    """The parts of `region` around its run (the whole region without one)."""
+    if run is None:
+        return ((0, len(region)),)
+    return ((0, run.start), (run.end, len(region)))
+
+
+def _literals_with_runs(
+    regions: Sequence[bytes], runs: Sequence[Run | None], chat: bool
+) -> tuple[bytes, int] | None:
+    """Choice 0's raw literals and non-empty chunks, as the fast path finds
+    them, with each run read from its literals and only the events around
+    the runs searched. None: no run to use, a run of the other endpoint's
+    field, or an event around them that is not a single-choice chunk of index 0."""
+    if all(run is None for run in runs):
+        return None
+    pattern = CONTENT_RE if chat else TEXT_RE
+    parts: list[bytes] = []
+    chunks = 0
+    for region, run in zip(regions, runs, strict=True):
+        if run is not None and run.chat != chat:
+            return None
+        for i, (start, end) in enumerate(_spans(region, run)):
+            if i == 1:  # between the two spans: the run
+                assert run is not None
+                parts.append(b"".join(run.literals))
+                chunks += len(run.literals) - run.literals.count(b"")
+            if start == end:
+                continue
+            k = region.count(_INDEX0, start, end) or region.count(_INDEX0_SPACED, start, end)
+            if region.count(b'"index":', start, end) != k:
+                return None
+            literals = pattern.findall(region, start, end)
+            parts.append(b"".join(literals))
+            chunks += len(literals) - literals.count(b"")
+    return b"".join(parts), chunks
 
 
 def _choice0(obj: Any) -> dict[str, Any] | None:
@@ -84,11 +142,25 @@ def _partial_text_slow(blob: bytes, endpoint: str) -> tuple[str, int]:
     return "".join(parts), len(parts)
 
 
-def streamed_answer(regions: Sequence[bytes] | None, endpoint: str) -> str | None:
-    """Choice 0's full text of a finished stream, or None when it did not finish."""
-    if not regions or not has_finish_reason(b"".join(regions[-3:])):
+def streamed_answer(
+    regions: Sequence[bytes] | None, endpoint: str, runs: Sequence[Run | None] | None = None
+) -> str | None:
+    """Choice 0's full text of a finished stream, or None when it did not finish.
+    `runs`: as for `partial_text`."""
+    if not regions:
         return None
-    return partial_text(regions, endpoint)[0]
+    if runs is None or len(runs) != len(regions):
+        runs = [None] * len(regions)
+    # Regions are whole events: the finish is in one of the last (never in a
+    # run of text chunks: theirs are all `"finish_reason":null`).
+    if not any(
+        region.find(b'"finish_reason":"', start, end) >= 0
+        or region.find(b'"finish_reason": "', start, end) >= 0
+        for region, run in zip(regions[-3:], runs[-3:], strict=True)
+        for start, end in _spans(region, run)
+    ):
+        return None
+    return partial_text(regions, endpoint, runs)[0]
 
 
 def answer_from_body(body: bytes) -> str | None:

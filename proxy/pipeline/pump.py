@@ -34,7 +34,7 @@ from aiohttp import web
 
 from proxy.guard.stream import StreamGuard
 from proxy.guard.verdicts import Trip
-from proxy.openai.chunkrun import ChunkRuns
+from proxy.openai.chunkrun import ChunkRuns, Run
 from proxy.openai.chunks import error_status, is_error_event, markers
 from proxy.openai.errors import error_body
 from proxy.openai.headers import STREAM_ONLY
@@ -91,6 +91,10 @@ class StreamResult:
     code: str = ""  # error code for an in-band error event
     error_event: bytes = b""  # the upstream's own error event, when it sent one
     regions: list[bytes] | None = None  # what was forwarded, when asked to keep it
+    # Per kept region, its run of text chunks (`proxy.openai.chunkrun`) when it
+    # had one: the answer's text is then read from the run's literals, not
+    # searched for again in its bytes (`proxy.openai.partial`).
+    runs: list[Run | None] | None = None
     trip: Trip | None = None  # why the guard stopped the stream
     kept_overflow: bool = False  # more than keep_limit bytes: regions were let go
     usage: Usage | None = None  # the backend's usage chunk, when it sent one
@@ -148,7 +152,9 @@ async def relay_stream(
     result = StreamResult("truncated", 200, client=client)
     if keep:
         result.regions = []
+        result.runs = []
     kept = result.regions
+    kept_runs = result.runs
     kept_bytes = 0
     content = upstream.content
     # Inter-token latency, inline (a method call per region would cost more
@@ -237,8 +243,9 @@ async def relay_stream(
                         # Nothing of the offending event reaches the client.
                         if verdict.prefix:
                             await write(verdict.prefix)
-                            if kept is not None:
+                            if kept is not None and kept_runs is not None:
                                 kept.append(verdict.prefix)
+                                kept_runs.append(None)
                         elif head:
                             await write(b"")  # the head, before the caller's ending
                         result.outcome = "guard_trip"
@@ -277,8 +284,9 @@ async def relay_stream(
                 result.code = "upstream_error"
                 if err_at:
                     await write(region[:err_at])
-                    if kept is not None:
+                    if kept is not None and kept_runs is not None:
                         kept.append(region[:err_at])
+                        kept_runs.append(run if run is not None and run.end <= err_at else None)
                 elif head:
                     await write(b"")  # the head, before the caller's ending
                 return result
@@ -293,19 +301,22 @@ async def relay_stream(
                     await client.write_eof(region)
                 else:
                     await write(region)
-                if kept is not None:
+                if kept is not None and kept_runs is not None:
                     kept.append(region)
+                    kept_runs.append(run if run is not None and run.end <= end else None)
                 result.outcome = "complete"
                 result.last_event_at = pump.last_activity
                 return result
             if region:  # the guard may have dropped every event of it
                 await write(region)
-                if kept is not None:
+                if kept is not None and kept_runs is not None:
                     kept.append(region)
+                    kept_runs.append(run)
                     kept_bytes += len(region)
                     if kept_bytes > keep_limit:
                         kept.clear()
                         kept = result.regions = None
+                        kept_runs = result.runs = None
                         result.kept_overflow = True
             elif head:
                 await write(b"")  # the head, before waiting for the next read

@@ -243,7 +243,7 @@ def stream_attempt(
     elif outcome == "complete":
         kind, healthy = "answered", True
         if rec.session is not None and rec.chat:
-            answer = streamed_answer(result.regions, "chat")
+            answer = streamed_answer(result.regions, "chat", result.runs)
         ttft = (result.first_event_at or t_call) - t_call
     elif outcome == "client_disconnect":
         kind = "client_gone"

@@ -125,7 +125,7 @@ async def _rescue_on(
     client = sr.client
     assert client is not None
     kind = "chat" if rec.chat else "completions"
-    partial, produced = partial_text(sr.regions or [], kind)
+    partial, produced = partial_text(sr.regions or [], kind, sr.runs)
     log.warning(
         "stream_rescue",
         request_id=rec.rid,
@@ -244,6 +244,8 @@ async def _rescue_on(
     sr.events += more.events
     if sr.regions is not None and more.regions:
         sr.regions.extend(more.regions)
+        if sr.runs is not None and more.runs is not None:
+            sr.runs.extend(more.runs)
     elif more.regions is None:
         sr.regions = None
     fb_result = stream_attempt(rec, fb, more, t_call)
@@ -257,7 +259,7 @@ async def _rescue_on(
         rec.rescued = True
         answer = None
         if rec.session is not None and rec.chat and sr.regions is not None:
-            answer = streamed_answer(sr.regions, "chat")
+            answer = streamed_answer(sr.regions, "chat", sr.runs)
         return result._replace(
             kind="answered",
             outcome="complete",

@@ -452,6 +452,32 @@ async def test_three_turn_conversation_forwards_the_merged_history(
     assert await metric(proxy, "brownout_session_ops_total", {"op": "load", "result": "ok"}) == 3
 
 
+async def test_a_long_stream_read_in_big_regions_is_saved_whole(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The saved answer of a stream the relay reads in big regions (runs of
+    text chunks, whose text is taken from the relay's cut: issue 24) is the
+    whole answer, escapes and all."""
+    chat = ChatFake(fake_upstream)
+    words = [f"w{i}" + (' "q" ' if i % 7 == 0 else " é ") for i in range(600)]
+
+    async def big_reads(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        events = [ROLE_CHUNK, *(chunk(w) for w in words), chunk("", "stop"), DONE]
+        for i in range(0, len(events), 150):
+            await resp.write(b"".join(events[i : i + 150]))
+        return resp
+
+    chat.script.append(big_reads)
+    proxy = await start_proxy(policy(fake_upstream.url, sessions={}))
+    sid = new_sid()
+    r = await ask(proxy, "long one", sid=sid)
+    assert r.status == 200 and r.text == "".join(words)
+    r = await ask(proxy, "next", sid=sid)
+    assert chat.messages() == [SYSTEM, user("long one"), assistant("".join(words)), user("next")]
+
+
 @pytest.mark.real
 async def test_redis_holds_history_and_last_active_with_ttl_refreshed_and_max_turns(
     fake_upstream: FakeUpstream,
@@ -885,6 +911,56 @@ async def test_redis_outage_is_served_statelessly_and_recovers(
     finally:
         await raw.aclose()
     assert history is not None and len(history) == 6
+
+
+async def test_each_request_is_one_redis_round_trip_to_load_and_one_to_save(
+    fake_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    private_redis: PrivateRedis,
+    key_prefix: str,
+) -> None:
+    """Issue 24, seen from Redis (MONITOR): a request with a session sends
+    one EVALSHA to load it and one to save its turn — no other command, for
+    a new session and for one with history, streamed or not."""
+    ChatFake(fake_upstream)
+    sessions = redis_sessions(key_prefix, private_redis.url, max_turns=2)
+    proxy = await start_proxy(policy(fake_upstream.url, sessions=sessions))
+    assert (await ask(proxy, "warm-up", sid=new_sid())).status == 200  # connect, load scripts
+    admin = aioredis.Redis.from_url(private_redis.url, decode_responses=True)
+    seen: list[str] = []
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    async def watch() -> None:
+        async with admin.monitor() as m:
+            await admin.echo("rt-start")
+            while True:
+                cmd = await m.next_command()
+                if cmd["command"] == "ECHO rt-start":
+                    started.set()
+                elif cmd["command"] == "ECHO rt-end":
+                    ended.set()
+                    return
+                elif started.is_set() and cmd["client_type"] != "lua":
+                    seen.append(cmd["command"].split(" ", 1)[0].upper())
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait_for(started.wait(), 5)
+        sids = [new_sid(), new_sid()]
+        asked = 0
+        for turn in range(3):  # new, with history, then trimmed to max_turns
+            for sid, stream in zip(sids, (True, False), strict=True):
+                r = await ask(proxy, f"turn {turn}", sid=sid, stream=stream)
+                assert r.status == 200 and r.session == "used"
+                asked += 1
+        await admin.echo("rt-end")
+        await asyncio.wait_for(ended.wait(), 5)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await admin.aclose()
+    assert seen == ["EVALSHA"] * (2 * asked)
 
 
 # =========================================================================== 6

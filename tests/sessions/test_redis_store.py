@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -389,5 +390,66 @@ async def test_a_turn_the_script_refuses_is_rejected_not_an_outage(
         assert store.healthy  # the store answered: other turns still save
         other = session_key(key_prefix, "free", None)
         assert await store.append(other, [Turn("q", "a")]) == 1
+    finally:
+        await store.close()
+
+
+class _Wire:
+    """Counts what goes over the wire: each `send_packed_command` is one
+    write of one or more commands (a pipeline is one), answered by one read
+    of their replies: a round trip."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.writes: list[list[str]] = []
+        real = aioredis.connection.Connection.send_packed_command
+        wire = self
+
+        async def counting(self: Any, command: Any, check_health: bool = True) -> None:
+            parts = [command] if isinstance(command, (bytes, str)) else list(command)
+            blob = b"".join(p.encode() if isinstance(p, str) else bytes(p) for p in parts)
+            # The command names of a RESP array: the line after each `*N` / `$len` header.
+            names = [
+                lines[i + 2].decode().upper()
+                for lines in [blob.split(b"\r\n")]
+                for i, line in enumerate(lines[:-2])
+                if line.startswith(b"*")
+            ]
+            wire.writes.append(names)
+            await real(self, parts, check_health)
+
+        monkeypatch.setattr(aioredis.connection.Connection, "send_packed_command", counting)
+
+    def take(self) -> list[list[str]]:
+        out, self.writes = self.writes, []
+        return out
+
+
+@pytest.mark.parametrize("cap", [0, 5], ids=["no-cap", "client-cap"])
+async def test_one_round_trip_per_load_and_per_save(
+    private_redis: PrivateRedis, monkeypatch: pytest.MonkeyPatch, cap: int
+) -> None:
+    """Issue 24: a session load is one round trip and a save is one, whatever
+    the session holds (new, existing, over the turn cap) — one EVALSHA each,
+    nothing else on the wire once the connection and the scripts are there."""
+    store = RedisSessionStore.from_url(
+        private_redis.url, ttl_s=600, max_turns=2, timeout_s=2.0, max_per_client=cap
+    )
+    wire = _Wire(monkeypatch)
+    client = "client-a" if cap else None
+    try:
+        # Warm-up: the connection's handshake, the scripts' first NOSCRIPT.
+        warm = session_key("rt:", "warm", None)
+        await store.load(warm, client)
+        await store.append(warm, [Turn("q", "a")], client=client)
+        wire.take()
+        key = session_key("rt:", "conv", None)
+        assert await store.load(key, client) == []  # a new session
+        assert wire.take() == [["EVALSHA"]]
+        for i in range(4):  # creates it, adds to it, then trims it (max_turns 2)
+            await store.append(key, [Turn(f"q{i}", f"a{i}", id=f"t{i}")], client=client)
+            assert wire.take() == [["EVALSHA"]], f"save {i}"
+            history = await store.load(key, client)
+            assert wire.take() == [["EVALSHA"]], f"load {i}"
+            assert len(history) == min(2 * (i + 1), 4)
     finally:
         await store.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from proxy.control.maintenance import Maintenance, render_json, render_stream
-from proxy.openai.partial import answer_from_body, continuation_body, partial_text
+from proxy.openai.chunkrun import ChunkRuns, Run
+from proxy.openai.partial import answer_from_body, continuation_body, partial_text, streamed_answer
 from proxy.openai.sse import SSEParser
 from proxy.policy import FaqEntry, FaqPolicy, MaintenancePolicy
 
@@ -90,3 +91,56 @@ def test_answer_from_body_is_choice_0_of_a_finished_answer() -> None:
     body["choices"][1]["finish_reason"] = None  # type: ignore[index]
     assert answer_from_body(json.dumps(body).encode()) is None
     assert answer_from_body(b"[" * 100_000) is None
+
+
+def _vllm_chunk(text: str, finish: str | None = None, key: str = "content") -> bytes:
+    # vLLM's order: the text, then `"finish_reason":null` (runs need it after).
+    field = {"delta": {"content": text}} if key == "content" else {"text": text}
+    choice = {"index": 0, **field, "logprobs": None, "finish_reason": finish}
+    obj = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    obj["choices"] = [choice]
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _relayed(events: list[bytes], per_region: int) -> tuple[list[bytes], list[Run | None]]:
+    """Regions of `per_region` events and the runs the relay cuts from them."""
+    regions = [b"".join(events[i : i + per_region]) for i in range(0, len(events), per_region)]
+    runs = ChunkRuns()
+    return regions, [runs.cut(r) for r in regions]
+
+
+def test_the_answer_is_read_from_the_relays_runs_as_from_the_bytes() -> None:
+    """Issue 24: a session's answer is read from the literals the relay cut
+    already (a 1,024-chunk answer was scanned again, as long as the relay)."""
+    words = ["tok ", "é🚀", 'say "hi"', "back\\slash", "", "new\nline"]
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    events = [role, *(_vllm_chunk(words[i % len(words)]) for i in range(300))]
+    events += [_vllm_chunk("", "stop"), b"data: [DONE]\n\n"]
+    regions, runs = _relayed(events, 40)
+    assert sum(r is not None for r in runs) >= 6
+    want = "".join(words[i % len(words)] for i in range(300))
+    assert partial_text(regions, "chat") == (want, 250)
+    assert partial_text(regions, "chat", runs) == (want, 250)
+    assert streamed_answer(regions, "chat", runs) == want
+    # The runs' literals are what is read, not their bytes again.
+    first = next(i for i, r in enumerate(runs) if r is not None)
+    run = runs[first]
+    assert run is not None
+    lied = [*runs]
+    lied[first] = Run(run.start, run.end, [b"X"] * len(run.literals))
+    assert "X" * len(run.literals) in partial_text(regions, "chat", lied)[0]
+    # Unfinished: no answer, with or without runs.
+    assert streamed_answer(regions[:-1], "chat", runs[:-1]) is None
+
+
+def test_runs_that_do_not_fit_are_ignored() -> None:
+    events = [_vllm_chunk(f"t{i} ", key="text") for i in range(100)]
+    events += [_vllm_chunk("", "stop", key="text"), b"data: [DONE]\n\n"]
+    regions, runs = _relayed(events, 30)
+    assert any(r is not None and not r.chat for r in runs)
+    text = "".join(f"t{i} " for i in range(100))
+    assert partial_text(regions, "completions", runs) == (text, 100)
+    # Completions runs for a chat answer: the bytes are searched (no content).
+    assert partial_text(regions, "chat", runs) == partial_text(regions, "chat")
+    # Runs that are not one per region: not used.
+    assert partial_text(regions, "completions", runs[:-1]) == (text, 100)
