@@ -31,8 +31,8 @@ class TelemetryPolicy:
         0.1,
         "Share of requests traced when the client sends no `traceparent` (a client's "
         "sampled flag decides for its own request). A traced request costs the proxy "
-        "about 1.6 times the CPU of an untraced one, its spans' export encoding "
-        "included (`bench/results/otel-cost.md`).",
+        "about 1.17 times the instructions of an untraced one, its spans' export "
+        "encoding included; one not traced, almost nothing (`bench/results/otel-cost.md`).",
         ge=0,
         le=1,
         unit="ratio",
