@@ -108,6 +108,9 @@ def variant_policy(tmp: Path, up_port: int, hole: int, v: str) -> Path:
         guard=v == "guard",
         primary_extra=usage,
         candidate=candidate,
+        # The candidate configured as the primary is: the rollout variant
+        # measures the routing, not a usage question only its candidate asks.
+        candidate_extra=usage,
         extra=extra,
     )
 

@@ -176,15 +176,17 @@ def brownout_policy(
     primary_extra: str = "",
     *,
     candidate: str | None = None,
+    candidate_extra: str = "",
     extra: str = "",
     redis_url: str = "redis://127.0.0.1:6379/0",
     redis_timeout_s: float | None = None,
 ) -> Path:
     """The benchmarks' policy; `candidate` adds `backends.candidate` (same
-    health settings as the primary), `extra` is appended (a `rollout:` section)."""
+    health settings as the primary, `candidate_extra` its own further keys),
+    `extra` is appended (a `rollout:` section)."""
     path = tmp / f"policy-{name}.yaml"
     cand = (
-        f"  candidate:\n    url: {candidate}\n    health: {{interval_s: 5}}\n"
+        f"  candidate:\n    url: {candidate}\n    health: {{interval_s: 5}}\n{candidate_extra}"
         if candidate is not None
         else ""
     )

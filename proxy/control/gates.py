@@ -7,15 +7,16 @@ advances a step only on `GateReport.ready` and rolls back on `failed`.
 Samples. `observe()` takes one finished request of an arm: its end-to-end
 latency, its TTFT (streams only), whether it failed by the backend's own
 fault, whether it was an out-of-memory error. Each arm keeps deques of
-(at, value) over the sliding `window_s`, pruned on every `observe()` (each
-sample is appended once and popped once: O(1) amortized) and on `evaluate()`.
-The latency and TTFT values are also kept sorted as they come and go, in
-sorted runs of 256 to 512 values (`_Series`: a value is inserted into and
-deleted from its run, O(log n) compares and at most 512 pointers moved), so
-`evaluate()` sorts nothing: with 2,000 samples per arm it takes 14 µs
-instead of 660 µs (`bench/gates_bench.py`). (One flat sorted list moved half
-of each series per add and per pop: at the cap, ~100,000 instructions per
-request of the 1.2 million a 16-chunk stream costs, `bench/rollout_ab.py`.)
+(at, value) over the sliding `window_s`: the requests' deque (the hard gates'
+counts) is pruned on every `observe()`, the latency and TTFT series when
+`evaluate()` reads them; a sample is a few deque appends on the request path.
+`evaluate()` reads the series in ascending order, sorted then (`_Series`:
+only new samples since the last look are merged in; the window is sorted
+again when any left it — 10,000 floats in ~1 ms). Kept in order on every
+add and pop instead, the series cost ~45,000 instructions per request at the
+cap (~4 % of a 16-chunk stream, `bench/rollout_ab.py`); sorted per window
+they cost a few ms per second whatever the request rate
+(`bench/gates_bench.py`).
 Memory is capped at `CAP` = 10,000 samples per arm and series (requests,
 latencies, TTFTs); past it the oldest go first, so at more than ~33 requests/s
 per arm over the default 300 s window the gates judge the last 10,000.
@@ -127,10 +128,6 @@ CAP = 10_000  # samples per arm and series
 ARM_TAIL = 0.0125  # per tail and arm: 97.5 % per arm, ≥ 95 % for the ratio (Bonferroni)
 SLACK = 1e-9  # float slack on the quality comparison
 _NEGLIGIBLE = 1e-17
-# A prune of more than 1/_REBUILD of a series re-sorts the rest (see _Series).
-_REBUILD = 8
-# The kept order's run length (see _Series).
-_RUN = 256
 _INF = math.inf
 
 
@@ -281,109 +278,90 @@ class GateReport:
 
 
 class _Series:
-    """(at, value) samples over the window, capped, in time order (`q`); the
-    same values kept in ascending order alongside, as consecutive sorted runs
-    of `_RUN` to 2·`_RUN` values (`runs`, each run's last value in `maxes`),
-    so that `evaluate()` reads the order statistics without sorting. A value
-    goes into its run (`insort`) and leaves it (a bisected delete), moving at
-    most 2·`_RUN` pointers, whatever the window holds: one flat sorted list
-    moved half of it per add and per pop (5,000 pointers each way at the
-    10,000-sample cap). A run past 2·`_RUN` is split in two; one under
-    `_RUN`/2 joins a neighbour. A prune that drops many at once rebuilds the
-    runs from what is left, sorted (cheaper than that many deletes)."""
+    """(at, value) samples over the window, capped, in time order (`at` and
+    `v`, two deques side by side); their ascending order is brought up to
+    date when it is read (`sorted()`, once per `evaluate()`, i.e. once per
+    ladder window), not as samples come and go: on the request path a sample
+    is two deque appends (and, at the cap, two pops). The order read last
+    (`_flat`) is kept with what changed since: the values of it that left the
+    window (`_gone`: popped from the front while they were still among the
+    `_old` values the last read saw) and the values appended after it (the
+    last len(v) − `_old`). A read takes the gone values out (one bisect each
+    and slices copied around them) and merges the new ones in (a sort that
+    finds the kept run and merges, O(n) in C); when most of the window
+    changed it simply sorts it again. Kept in order on every add and pop
+    instead (sorted runs of 256–512 values), a 16-chunk stream paid ~45,000
+    instructions per request for the series at the cap."""
 
-    __slots__ = ("_flat", "cap", "maxes", "q", "runs")
+    __slots__ = ("_flat", "_gone", "_old", "at", "cap", "v")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.q: collections.deque[tuple[float, float]] = collections.deque()
-        self.runs: list[list[float]] = []
-        self.maxes: list[float] = []
-        self._flat: list[float] | None = None  # the runs joined, until the next change
+        self.at: collections.deque[float] = collections.deque()
+        self.v: collections.deque[float] = collections.deque()
+        self._flat: list[float] = []  # the order read last
+        self._old = 0  # the window's first `_old` values are in `_flat`
+        self._gone: list[float] = []  # values of `_flat` that left the window since
+
+    @property
+    def q(self) -> list[tuple[float, float]]:
+        """The window's (at, value) pairs in time order (a copy: for reports and tests)."""
+        return list(zip(self.at, self.v, strict=True))
+
+    def __len__(self) -> int:
+        return len(self.v)
 
     def add(self, at: float, v: float) -> None:
-        q = self.q
-        if len(q) >= self.cap:
-            self._pop()
-        q.append((at, v))
-        self._flat = None
-        maxes = self.maxes
-        # The first run whose last value is ≥ v, else the last run.
-        i = bisect.bisect_left(maxes, v)
-        if i < len(maxes):
-            run = self.runs[i]
-            bisect.insort(run, v)
-        elif i:
-            i -= 1
-            run = self.runs[i]
-            run.append(v)
-            maxes[i] = v
-        else:
-            self.runs.append([v])
-            maxes.append(v)
-            return
-        if len(run) > 2 * _RUN:
-            half = run[_RUN:]
-            del run[_RUN:]
-            self.runs.insert(i + 1, half)
-            maxes[i] = run[-1]
-            maxes.insert(i + 1, half[-1])
-
-    def _pop(self) -> None:
-        _, v = self.q.popleft()
-        self._flat = None
-        maxes = self.maxes
-        runs = self.runs
-        # Its run: the first whose last value is ≥ v (an equal value in a later
-        # run is interchangeable: the same multiset).
-        i = bisect.bisect_left(maxes, v)
-        run = runs[i]
-        del run[bisect.bisect_left(run, v)]
-        if not run:
-            del runs[i], maxes[i]
-            return
-        maxes[i] = run[-1]
-        if len(run) * 2 < _RUN and len(runs) > 1:
-            # Too short: joined with a neighbour (split again if too long).
-            lo = i if i + 1 < len(runs) else i - 1
-            first = runs[lo]
-            first += runs[lo + 1]
-            del runs[lo + 1], maxes[lo + 1]
-            maxes[lo] = first[-1]
-            if len(first) > 2 * _RUN:
-                half = first[_RUN:]
-                del first[_RUN:]
-                runs.insert(lo + 1, half)
-                maxes[lo] = first[-1]
-                maxes.insert(lo + 1, half[-1])
-
-    def _rebuild(self, ordered: list[float]) -> None:
-        self.runs = [ordered[i : i + _RUN] for i in range(0, len(ordered), _RUN)]
-        self.maxes = [r[-1] for r in self.runs]
-        self._flat = ordered
+        if len(self.v) >= self.cap:
+            self.at.popleft()
+            x = self.v.popleft()
+            if self._old:
+                self._old -= 1
+                self._gone.append(x)
+        self.at.append(at)
+        self.v.append(v)
 
     def prune(self, horizon: float) -> None:
-        q = self.q
-        if not q or q[0][0] >= horizon:
-            return
-        # Time order: the `k` oldest leave.
-        n = len(q)
-        k = 1
-        while k < n and q[k][0] < horizon:
-            k += 1
-        if k * _REBUILD > n:
-            for _ in range(k):
-                q.popleft()
-            self._rebuild(sorted(v for _, v in q))
-        else:
-            for _ in range(k):
-                self._pop()
+        at = self.at
+        if at and at[0] < horizon:
+            v = self.v
+            gone = self._gone
+            while at and at[0] < horizon:
+                at.popleft()
+                x = v.popleft()
+                if self._old:
+                    self._old -= 1
+                    gone.append(x)
 
     def sorted(self) -> list[float]:
-        """The values in ascending order (kept until the next change: read only)."""
+        """The window's values in ascending order (a list the caller only reads)."""
+        v = self.v
         flat = self._flat
-        if flat is None:
-            flat = self._flat = list(itertools.chain.from_iterable(self.runs))
+        gone = self._gone
+        n_new = len(v) - self._old
+        if not gone and not n_new:
+            return flat
+        if (len(gone) + n_new) * 2 > len(v):
+            flat = sorted(v)  # most of the window changed
+        else:
+            if gone:
+                gone.sort()
+                kept: list[float] = []
+                start = 0
+                lo = 0
+                for x in gone:
+                    # Ascending, so each at or after the last one taken out.
+                    i = bisect.bisect_left(flat, x, lo)
+                    kept += flat[start:i]
+                    start = lo = i + 1
+                kept += flat[start:]
+                flat = kept
+            if n_new:
+                flat = flat + list(itertools.islice(v, self._old, None))
+                flat.sort()  # a sorted run and a short tail: merged
+        self._flat = flat
+        self._old = len(v)
+        gone.clear()
         return flat
 
     @property
@@ -434,18 +412,18 @@ class _ArmState:
             self.req_flags.append(0)
 
     def prune(self, horizon: float) -> None:
-        """Drop what left the window (each deque checked at its front: the
-        common case, nothing to drop, costs three comparisons)."""
+        """Drop the requests that left the window (the hard gates' counts;
+        the front checked: nothing to drop costs two comparisons)."""
         q = self.req_at
         if q and q[0] < horizon:
             while q and q[0] < horizon:
                 self._pop()
-        s = self.latency
-        if s.q and s.q[0][0] < horizon:
-            s.prune(horizon)
-        s = self.ttft
-        if s.q and s.q[0][0] < horizon:
-            s.prune(horizon)
+
+    def prune_all(self, horizon: float) -> None:
+        """Also the latency and TTFT series (before they are read)."""
+        self.prune(horizon)
+        self.latency.prune(horizon)
+        self.ttft.prune(horizon)
 
 
 def _sample(x: float | None) -> float | None:
@@ -520,19 +498,44 @@ class Gates:
         if at < self._last_at:
             at = self._last_at
         self._last_at = at
-        st.prune(at - self.policy.window_s)
-        st.add(at, failed, oom, self.cap)
+        # The requests' deques (the hard gates' counts), inline: this runs on
+        # every request. The series are pruned when read (`evaluate()`).
+        q = st.req_at
+        if q:
+            horizon = at - self.policy.window_s
+            if q[0] < horizon:
+                st.prune(horizon)
+            if len(q) >= self.cap:
+                st._pop()
+        q.append(at)
+        if failed or oom:
+            st.req_flags.append(int(failed) | (int(oom) << 1))
+            st.n_failed += failed
+            st.n_oom += oom
+        else:
+            st.req_flags.append(0)
         if not failed:
             # A finite, non-negative float is usable as it is (the runtime's
             # case, on every request); anything else goes through `_sample`.
+            # (Series.add, inline.)
             if latency_s is not None:
                 if type(latency_s) is float and 0.0 <= latency_s < _INF:
-                    st.latency.add(at, latency_s + 0.0)  # -0.0 as 0.0
+                    s = st.latency
+                    if len(s.v) >= self.cap:
+                        s.add(at, latency_s + 0.0)
+                    else:
+                        s.at.append(at)
+                        s.v.append(latency_s + 0.0)  # -0.0 as 0.0
                 else:
                     self._odd_sample(st, st.latency, at, latency_s)
             if ttft_s is not None:
                 if type(ttft_s) is float and 0.0 <= ttft_s < _INF:
-                    st.ttft.add(at, ttft_s + 0.0)
+                    s = st.ttft
+                    if len(s.v) >= self.cap:
+                        s.add(at, ttft_s + 0.0)
+                    else:
+                        s.at.append(at)
+                        s.v.append(ttft_s + 0.0)
                 else:
                     self._odd_sample(st, st.ttft, at, ttft_s)
         if arm != "candidate" or not (failed or oom):
@@ -727,8 +730,8 @@ class Gates:
         cand, prim = self._arms["candidate"], self._arms["primary"]
         if isinstance(now, int | float) and math.isfinite(now):
             horizon = float(now) - p.window_s
-            cand.prune(horizon)
-            prim.prune(horizon)
+            cand.prune_all(horizon)
+            prim.prune_all(horizon)
         gates: list[GateValue] = [
             self._health_gate(),
             self._oom_gate(cand, prim),
@@ -746,7 +749,7 @@ class Gates:
                 p.p99_ratio_max + p.p99_tolerance,
             )
         )
-        if not (cand.ttft.q or prim.ttft.q):
+        if not (cand.ttft.v or prim.ttft.v):
             ttft = GateValue(
                 "ttft_ratio",
                 "wait",
@@ -780,8 +783,8 @@ class Gates:
         return {
             a: {
                 "requests": len(s.req_at),
-                "latency": len(s.latency.q),
-                "ttft": len(s.ttft.q),
+                "latency": len(s.latency.v),
+                "ttft": len(s.ttft.v),
             }
             for a, s in self._arms.items()
         }

@@ -40,6 +40,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Coroutine
+from hashlib import blake2b
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,7 @@ ERRORS_KEPT = 200  # error records per arm kept for the bundle
 BUNDLE_RECORDING_S = 600.0  # the flight recording's last minutes in a bundle
 TIMELINE_KEPT = 5000
 OPEN_KEPT = 2 * ERRORS_KEPT  # error records of requests not finished yet
+_TWO_64 = 2.0**64  # a bucket is the sticky key's 64-bit hash / 2**64 (`rollout.bucket`)
 
 
 class Canary:
@@ -140,8 +142,23 @@ class Canary:
         return bucket(key) if key else random_bucket()
 
     def wants_candidate(self, rec: RequestRecord) -> bool:
+        """Whether `rec` goes to the candidate now: its bucket below the cut.
+        (`bucket_of` and `bucket`, inline: this runs on every request while
+        routing; a request that cannot go is not hashed.)"""
         cut = self.rollout.cut(rec.priority)
-        return cut > 0.0 and self.bucket_of(rec) < cut
+        if cut <= 0.0:
+            return False
+        name = self._key_header
+        if name is not None:
+            key = rec.request.headers.get(name)
+        elif self._key_is_api_key:
+            key = bearer_token(rec.request.headers.get("Authorization"))
+        else:
+            key = None
+        if not key:
+            return random_bucket() < cut
+        digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / _TWO_64 < cut
 
     def maybe_mirror(self, rec: RequestRecord, cand: Upstream) -> None:
         """The mirror state: a share of live requests is copied to the

@@ -126,3 +126,20 @@ def test_an_idle_or_ended_rollout_sends_nothing_to_the_candidate(tmp_path: Any) 
     assert c.wants_candidate(r)
     c.act("abort")
     assert not c.wants_candidate(r)
+
+
+def test_the_inline_arm_choice_is_the_bucket_rule(tmp_path: Any) -> None:
+    """`wants_candidate` hashes inline: for every sticky kind and key it agrees
+    with `bucket(key) < share` (the documented, cross-process rule), keys with
+    lone surrogates, non-ASCII and long ones included."""
+    keys = ["a", "user-1", "é", "\udcff-lone", "x" * 300, "0", "s-1"]
+    for sticky, header in (("session", "X-Session-Id"), ("header:X-Team", "X-Team")):
+        c = canary(sticky, str(tmp_path))
+        c.act("start")
+        for key in keys:
+            assert c.wants_candidate(rec({header: key})) == (bucket(key) < 0.5), key
+    c = canary("api_key", str(tmp_path))
+    c.act("start")
+    for key in keys[:4]:
+        got = c.wants_candidate(rec({"Authorization": f"Bearer sk-{key}"}))
+        assert got == (bucket(f"sk-{key}") < 0.5), key
