@@ -486,59 +486,24 @@ class Gates:
         """One finished request of `arm`. Returns the failing hard gate (oom,
         then error_rate) when this candidate failure or OOM leaves it over its
         limit, else None."""
+        if not (failed or oom):
+            self.answered(arm, at, latency_s, ttft_s)
+            return None
         st = self._arms.get(arm)
         if st is None:
             raise ValueError(f"unknown arm {arm!r}")
-        # (`type(...) is float` first: the runtime's clock and latencies are
-        # floats, and the exact type test is the cheap one on every request.)
-        if (type(at) is not float and not isinstance(at, int | float)) or not math.isfinite(at):
+        if not isinstance(at, int | float) or not math.isfinite(at):
             st.dropped += 1
             return None
-        at = float(at)
-        if at < self._last_at:
-            at = self._last_at
-        self._last_at = at
-        # The requests' deques (the hard gates' counts), inline: this runs on
-        # every request. The series are pruned when read (`evaluate()`).
-        q = st.req_at
-        if q:
-            horizon = at - self.policy.window_s
-            if q[0] < horizon:
-                st.prune(horizon)
-            if len(q) >= self.cap:
-                st._pop()
-        q.append(at)
-        if failed or oom:
-            st.req_flags.append(int(failed) | (int(oom) << 1))
-            st.n_failed += failed
-            st.n_oom += oom
-        else:
-            st.req_flags.append(0)
-        if not failed:
-            # A finite, non-negative float is usable as it is (the runtime's
-            # case, on every request); anything else goes through `_sample`.
-            # (Series.add, inline.)
+        at = self._clock_at(float(at))
+        st.prune(at - self.policy.window_s)
+        st.add(at, failed, oom, self.cap)
+        if not failed:  # an OOM that still answered: its latency counts
             if latency_s is not None:
-                if type(latency_s) is float and 0.0 <= latency_s < _INF:
-                    s = st.latency
-                    if len(s.v) >= self.cap:
-                        s.add(at, latency_s + 0.0)
-                    else:
-                        s.at.append(at)
-                        s.v.append(latency_s + 0.0)  # -0.0 as 0.0
-                else:
-                    self._odd_sample(st, st.latency, at, latency_s)
+                self._odd_sample(st, st.latency, at, latency_s)
             if ttft_s is not None:
-                if type(ttft_s) is float and 0.0 <= ttft_s < _INF:
-                    s = st.ttft
-                    if len(s.v) >= self.cap:
-                        s.add(at, ttft_s + 0.0)
-                    else:
-                        s.at.append(at)
-                        s.v.append(ttft_s + 0.0)
-                else:
-                    self._odd_sample(st, st.ttft, at, ttft_s)
-        if arm != "candidate" or not (failed or oom):
+                self._odd_sample(st, st.ttft, at, ttft_s)
+        if arm != "candidate":
             return None
         prim = self._arms["primary"]
         if oom:
@@ -550,6 +515,64 @@ class Gates:
             if g.verdict == "fail":
                 return g
         return None
+
+    def _clock_at(self, at: float) -> float:
+        """`at`, or the latest seen when it is earlier (the deques stay in time order)."""
+        if at < self._last_at:
+            return self._last_at
+        self._last_at = at
+        return at
+
+    def answered(self, arm: Arm, at: float, latency_s: float | None, ttft_s: float | None) -> None:
+        """`observe()` of a request answered (not failed, no OOM), positional:
+        the call on every request of a rollout, so the common case (a float
+        clock, float latencies) is inline here: a few deque appends."""
+        st = self._arms.get(arm)
+        if st is None:
+            raise ValueError(f"unknown arm {arm!r}")
+        # (`type(...) is float` first: the runtime's clock and latencies are
+        # floats, and the exact type test is the cheap one on every request.)
+        if (type(at) is not float and not isinstance(at, int | float)) or not math.isfinite(at):
+            st.dropped += 1
+            return
+        if at < self._last_at:
+            at = self._last_at
+        else:
+            at = float(at)
+            self._last_at = at
+        # The requests' deques (the hard gates' counts), inline. The series
+        # are pruned when read (`evaluate()`).
+        q = st.req_at
+        if q:
+            horizon = at - self.policy.window_s
+            if q[0] < horizon:
+                st.prune(horizon)
+            if len(q) >= self.cap:
+                st._pop()
+        q.append(at)
+        st.req_flags.append(0)
+        # A finite, non-negative float is usable as it is (the runtime's case,
+        # on every request); anything else goes through `_sample`.
+        if latency_s is not None:
+            if type(latency_s) is float and 0.0 <= latency_s < _INF:
+                s = st.latency
+                if len(s.v) >= self.cap:
+                    s.add(at, latency_s + 0.0)
+                else:
+                    s.at.append(at)
+                    s.v.append(latency_s + 0.0)  # -0.0 as 0.0
+            else:
+                self._odd_sample(st, st.latency, at, latency_s)
+        if ttft_s is not None:
+            if type(ttft_s) is float and 0.0 <= ttft_s < _INF:
+                s = st.ttft
+                if len(s.v) >= self.cap:
+                    s.add(at, ttft_s + 0.0)
+                else:
+                    s.at.append(at)
+                    s.v.append(ttft_s + 0.0)
+            else:
+                self._odd_sample(st, st.ttft, at, ttft_s)
 
     @staticmethod
     def _odd_sample(st: _ArmState, series: _Series, at: float, x: object) -> None:

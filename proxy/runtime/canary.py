@@ -290,8 +290,7 @@ class Canary:
             self._error(rec, arm, term, fault, opened, counted=False)
         if term.status >= 400 or term.outcome == "client_disconnect":
             return  # no latency sample: not an answer
-        ttft = term.client_ttft if rec.stream else None
-        self.gates.observe(arm, now, latency_s=elapsed, ttft_s=ttft)  # type: ignore[arg-type]
+        self.gates.answered(arm, now, elapsed, term.client_ttft if rec.stream else None)  # type: ignore[arg-type]
 
     def _error(
         self,
