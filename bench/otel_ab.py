@@ -187,6 +187,11 @@ def main() -> int:
         )
     report = "\n".join(lines) + "\n"
     print("\n" + report)
+    if args.no_instr:
+        # Wall-clock only: printed, not written over the report and its
+        # instruction tables (the figures that decide on a shared machine).
+        print("(--no-instr: bench/results/otel-cost.md left as it is)")
+        return 0
     out = ROOT / "bench" / "results" / "otel-cost.md"
     out.write_text(report)
     print(f"wrote {out}")
