@@ -42,10 +42,15 @@ latency, moved by curve(n_replay) − curve(n_recorded) (additive: a queue
 adds waiting time, and a ratio of small medians would explode); any other
 gets curve(n) plus the residual (observed − curve) of the nearest recorded
 answer in time, so slow stretches stay slow. vLLM's gauges for the
-throttle: `waiting` = max(0, n + others − capacity), `running` the rest,
-where `others` is what the engine held beyond the proxy's own requests in
-the nearest sample, and the KV cache moves from its recorded value by the
-fitted KV-per-running-request slope.
+throttle are the nearest recorded scrape's, moved by the difference between
+the replay's requests in flight and the recorded proxy's at that scrape
+(more fill `running` up to the capacity, then `waiting`; fewer leave
+`waiting` first): with as many in flight as the recording had, the replay
+reads what the proxy read. (An engine's count lags the proxy's — a request
+sent but not yet taken in, an answer relayed still counted — and near the
+marks one request decides a window.) The KV cache moves from its recorded
+value by the fitted KV-per-running-request slope. Without scrapes,
+`running` = min(n, capacity) and `waiting` the rest.
 
 **Limits.** The curves are only as good as the load the recording saw: a
 policy admitting far more than was ever admitted is extrapolated (linear
@@ -235,21 +240,27 @@ class BackendWorld:
 
     def gauges(self, t: float, n: int) -> tuple[float, float, float]:
         """vLLM's (waiting, running, kv cache) with `n` of the replay's
-        requests in flight at `t`."""
-        others = 0.0
-        kv_rec, run_rec = None, 0.0
-        if self.engine:
-            i = max(0, bisect.bisect_right(self._engine_t, t) - 1)
-            e = self.engine[i]
-            others = max(0.0, e.waiting + e.running - self.recorded_n(e.t))
-            kv_rec, run_rec = e.kv, e.running
-        total = n + others
-        running = min(total, self.capacity)
-        waiting = max(0.0, total - self.capacity)
-        if kv_rec is None:
-            kv = min(1.0, 0.9 * running / self.capacity + 0.05 * waiting / self.capacity)
+        requests in flight at `t` (see the module text)."""
+        cap = self.capacity
+        if not self.engine:
+            running = min(float(n), cap)
+            waiting = max(0.0, n - cap)
+            kv = min(1.0, 0.9 * running / cap + 0.05 * waiting / cap)
+            return waiting, running, kv
+        e = self.engine[max(0, bisect.bisect_right(self._engine_t, t) - 1)]
+        # The recorded reading, moved by the replay's difference in flight
+        # (not rebuilt from `n`: the engine's count lags the proxy's).
+        delta = n - self.recorded_n(e.t)
+        waiting, running = e.waiting, e.running
+        if delta >= 0:
+            more = min(float(delta), max(0.0, cap - running))
+            running += more
+            waiting += delta - more
         else:
-            kv = min(1.0, max(0.0, kv_rec + self.kv_slope * (running - run_rec)))
+            fewer = min(float(-delta), waiting)
+            waiting -= fewer
+            running = max(0.0, running - (-delta - fewer))
+        kv = min(1.0, max(0.0, e.kv + self.kv_slope * (running - e.running)))
         return waiting, running, kv
 
     def latency(self, q: Request, t: float, n: int) -> tuple[float, float]:
