@@ -43,14 +43,17 @@ adds waiting time, and a ratio of small medians would explode); any other
 gets curve(n) plus the residual (observed − curve) of the nearest recorded
 answer in time, so slow stretches stay slow. vLLM's gauges for the
 throttle are the nearest recorded scrape's, moved by the difference between
-the replay's requests in flight and the recorded proxy's at that scrape
+the replay's requests in flight and the recorded proxy's around that scrape
 (more fill `running` up to the capacity, then `waiting`; fewer leave
-`waiting` first): with as many in flight as the recording had, the replay
-reads what the proxy read. (An engine's count lags the proxy's — a request
-sent but not yet taken in, an answer relayed still counted — and near the
-marks one request decides a window.) The KV cache moves from its recorded
-value by the fitted KV-per-running-request slope. Without scrapes,
-`running` = min(n, capacity) and `waiting` the rest.
+`waiting` first): with a count the recorded proxy had within
+`GAUGE_SLACK_S` of the scrape, the replay reads what the proxy read. (A
+scrape's record is written when its answer is in, the engine read its
+count a round trip earlier, and an engine's count lags the proxy's — a
+request sent but not yet taken in, an answer relayed still counted; the
+replay sends a request when it is admitted, the proxy a fraction of a
+millisecond later. Near the marks one request decides a window.) The KV
+cache moves from its recorded value by the fitted KV-per-running-request
+slope. Without scrapes, `running` = min(n, capacity) and `waiting` the rest.
 
 **Limits.** The curves are only as good as the load the recording saw: a
 policy admitting far more than was ever admitted is extrapolated (linear
@@ -80,6 +83,9 @@ SPORADIC_S = 2.0
 ERROR_BIN_S = 10.0
 CONNECT_FAIL_S = 0.002  # a refused connection answers at once
 MIN_TTFT_S = 0.001
+# A scrape's reading and the recorded proxy's count this far apart in time
+# are not ordered by the replay (see the module text).
+GAUGE_SLACK_S = 0.005
 DEFAULTS = {"ttft_s": 0.5, "tpot_s": 0.05, "capacity": 4.0, "error_s": 0.01}
 
 # Evidence classes.
@@ -227,6 +233,18 @@ class BackendWorld:
         i = bisect.bisect_right(self._n_t, t) - 1
         return self._n_v[i] if i >= 0 else 0
 
+    def recorded_range(self, a: float, b: float) -> tuple[int, int]:
+        """The fewest and the most requests the recording had in flight at
+        this backend from `a` to `b`."""
+        n_t, n_v = self._n_t, self._n_v
+        i = bisect.bisect_right(n_t, a) - 1
+        j = bisect.bisect_right(n_t, b)
+        # (Several changes at one instant: only the last one held.)
+        seen = [n_v[k] for k in range(max(0, i), j) if k + 1 == j or n_t[k + 1] != n_t[k]]
+        if i < 0:
+            seen.append(0)
+        return min(seen), max(seen)
+
     def residual(self, t: float) -> tuple[float, float]:
         """(TTFT, time per token) of the nearest recorded answer less the curves'."""
         if not self._res_t:
@@ -250,7 +268,8 @@ class BackendWorld:
         e = self.engine[max(0, bisect.bisect_right(self._engine_t, t) - 1)]
         # The recorded reading, moved by the replay's difference in flight
         # (not rebuilt from `n`: the engine's count lags the proxy's).
-        delta = n - self.recorded_n(e.t)
+        lo, hi = self.recorded_range(e.t - GAUGE_SLACK_S, e.t + GAUGE_SLACK_S)
+        delta = n - hi if n > hi else n - lo if n < lo else 0
         waiting, running = e.waiting, e.running
         if delta >= 0:
             more = min(float(delta), max(0.0, cap - running))

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from proxy.policy import Policy, parse_policy
 from proxy.replay.main import run_replay
 from proxy.replay.sim import replay
@@ -40,9 +42,10 @@ def records(pol: Policy, *rest: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def req(t: float, end: float) -> dict[str, Any]:
+def req(t: float, end: float, call: float | None = None) -> dict[str, Any]:
     # [backend, kind, status, fault, ttft, end offset, call offset]
-    att = [["primary", "answered", 200, None, 0.05, end - t, 0.0]]
+    at = 0.0 if call is None else call - t
+    att = [["primary", "answered", 200, None, 0.05, end - t, at]]
     return {"k": "req", "t": t, "cl": "c1", "att": att, "be": "primary", "s": 200, "o": "complete"}
 
 
@@ -50,16 +53,22 @@ def engine(t: float, running: float, waiting: float = 0.0) -> dict[str, Any]:
     return {"k": "engine", "t": t, "w": waiting, "r": running, "kv": running / 2, "rej": 0.0}
 
 
-def lagging_scrape_trace(pol: Policy) -> Trace:
+# The second request's arrival, backend call and the scrape that read one running.
+ENGINE_LAGS = (1.0, 1.0, 1.002)  # called first; the engine read its count before it arrived
+CALLED_AFTER = (1.0, 1.0003, 1.0001)  # the proxy called just after the scrape's record
+
+
+def lagging_scrape_trace(pol: Policy, second: tuple[float, float, float]) -> Trace:
     """Two slots (`max_inflight: 2`, the KV cache full at two running). The
-    second request is sent at 1.0; the scrape at 1.05 still reads one
-    running (not yet taken in), the one at 1.55 reads two: the recorded
-    proxy throttled at its window after that (1.6), not before."""
+    second request is sent about when a scrape reads one running; the
+    scrape at 1.55 reads two, and the recorded proxy throttled at its
+    window after that (1.6), not before."""
+    arrival, call, scrape = second
     ticks = [{"k": "tick", "t": round(0.2 * i, 1)} for i in range(1, 11)]
     scrapes = [
         engine(0.05, 0),
         engine(0.55, 1),
-        engine(1.05, 1),  # the proxy has two in flight; the engine counts one
+        engine(scrape, 1),  # the proxy has (about) two in flight; the engine counts one
         engine(1.55, 2),
         engine(2.05, 2),
     ]
@@ -69,30 +78,39 @@ def lagging_scrape_trace(pol: Policy) -> Trace:
             *ticks,
             *scrapes,
             req(0.3, 2.1),
-            req(1.0, 2.1),
+            req(arrival, 2.1, call),
             {"k": "tier", "t": 1.6, "from": "normal", "to": "throttle", "why": "pressure"},
             {"k": "limit", "t": 1.6, "from": 2, "to": 1},
         )
     )
 
 
-def test_a_replay_reads_the_gauges_the_recorded_proxy_read() -> None:
+@pytest.mark.parametrize("second", [ENGINE_LAGS, CALLED_AFTER], ids=["engine-lags", "called-after"])
+def test_a_replay_reads_the_gauges_the_recorded_proxy_read(
+    second: tuple[float, float, float],
+) -> None:
     pol = policy()
-    tr = lagging_scrape_trace(pol)
+    tr = lagging_scrape_trace(pol, second)
     p = build_world(tr).backends["primary"]
     assert p.capacity == 2
-    # As many in flight as the recording had: the recorded reading, lag included.
-    assert p.gauges(1.05, 2) == (0.0, 1.0, 0.5)
-    assert p.gauges(1.55, 2) == (0.0, 2.0, 1.0)
+    before, scrape, after = (e.t for e in tr.engine[1:4])  # as the replay scrapes
+    # A count the recorded proxy had at the scrape: the recorded reading.
+    assert p.gauges(scrape, 2) == (0.0, 1.0, 0.5)
+    assert p.gauges(scrape, 1) == (0.0, 1.0, 0.5)
+    assert p.gauges(after, 2) == (0.0, 2.0, 1.0)
     # More than the recording: running fills up to the capacity, then waiting.
-    assert p.gauges(1.05, 4) == (1.0, 2.0, 1.0)
+    assert p.gauges(scrape, 4) == (1.0, 2.0, 1.0)
     # Fewer: waiting empties first, then running.
-    assert p.gauges(0.55, 0) == (0.0, 0.0, 0.0)
+    assert p.gauges(before, 0) == (0.0, 0.0, 0.0)
+    assert p.gauges(after, 0) == (0.0, 0.0, 0.0)
 
 
-def test_a_lagging_scrape_does_not_throttle_a_window_early() -> None:
+@pytest.mark.parametrize("second", [ENGINE_LAGS, CALLED_AFTER], ids=["engine-lags", "called-after"])
+def test_a_lagging_scrape_does_not_throttle_a_window_early(
+    second: tuple[float, float, float],
+) -> None:
     pol = policy()
-    tr = lagging_scrape_trace(pol)
+    tr = lagging_scrape_trace(pol, second)
     run = replay(pol, tr, build_world(tr))
     assert [(round(t, 2), a, b) for t, a, b, _ in run.transitions] == [(1.6, "normal", "throttle")]
 
