@@ -20,6 +20,12 @@ earlier one was still waiting (the queue is served in order); its wait is
 the time from its arrival to its backend call, reported at the call. Other
 requests called late too (trimming counts tokens, a busy event loop) but
 never queued: they report nothing, as in the proxy.
+
+Whether a wait is evidence of engine pressure under the fair share is
+decided as the proxy decided it, when the request queued: from the slots
+each client held and the clients waiting then, in the recording
+(`Admission.enqueue`). Decided at the call instead, the waiter's own new
+slot counted against its share, and a wait the proxy counted was dropped.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ class ObservedWaits:
     """The recorded queue waits and when a replay may use them."""
 
     def __init__(self, trace: Trace, policy: Policy) -> None:
-        self.waits: list[tuple[float, float, str]] = []  # (call, seconds, client)
+        self.waits: list[tuple[float, float, bool]] = []  # (call, seconds, counts)
         self.usable = False
+        self._fair = False
         knobs = trace.recorded_policy
         if knobs is None or not trace.calls or trace.synthetic:
             return
@@ -50,6 +57,7 @@ class ObservedWaits:
             return
         if recorded.ladder.throttle != policy.ladder.throttle:
             return
+        self._fair = recorded.ladder.throttle.fair_share
         top = recorded.ladder.throttle.max_inflight
         first = trace.samples[0] if trace.samples else None
         start = top
@@ -75,32 +83,66 @@ class ObservedWaits:
         """The replay stands where the recording stood at `t`."""
         return tier == self.tier(t) and limit == self.limit(t)
 
-    def _rebuild(self, trace: Trace) -> list[tuple[float, float, str]]:
-        held: list[float] = []  # attempt ends of the slots taken (a heap)
-        admitted: list[tuple[float, float]] = []  # waiters: (call, end), a heap by call
+    def _rebuild(self, trace: Trace) -> list[tuple[float, float, bool]]:
+        held: list[tuple[float, str]] = []  # slots taken: (attempt end, client), a heap
+        admitted: list[tuple[float, float, str]] = []  # waiters: (call, end, client), by call
+        gave_up: list[tuple[float, str]] = []  # waiters that timed out: (then, client)
+        holds: dict[str, int] = {}  # slots held per client
+        waiting: dict[str, int] = {}  # requests waiting per client
         queue_until = 0.0  # the last waiter so far is served (or gives up) then
-        out: list[tuple[float, float, str]] = []
+        out: list[tuple[float, float, bool]] = []
         for q in trace.requests:
             t = q.t
             a: Any = q.attempts[0] if q.attempts else None
             while admitted and admitted[0][0] <= t:
-                heapq.heappush(held, heapq.heappop(admitted)[1])
-            while held and held[0] <= t:
-                heapq.heappop(held)
+                _call, end, who = heapq.heappop(admitted)
+                _add(waiting, who, -1)
+                heapq.heappush(held, (end, who))
+                _add(holds, who, 1)
+            while held and held[0][0] <= t:
+                _add(holds, heapq.heappop(held)[1], -1)
+            while gave_up and gave_up[0][0] <= t:
+                _add(waiting, heapq.heappop(gave_up)[1], -1)
             called = a is not None and a.backend == "primary" and a.kind in _CALLED
             queued = q.outcome == "shed_queue_timeout"
             if not called and not queued:
                 continue
+            client = q.client
             full = len(held) >= self.limit(t) or queue_until > t
             if not full:
                 if called:
-                    heapq.heappush(held, a.end)
+                    heapq.heappush(held, (a.end, client))
+                    _add(holds, client, 1)
                 continue
+            counts = self._counts(t, client, holds, waiting)
+            _add(waiting, client, 1)
             if called:
-                heapq.heappush(admitted, (a.start, a.end))
+                heapq.heappush(admitted, (a.start, a.end, client))
                 queue_until = max(queue_until, a.start)
-                out.append((a.start, max(0.0, a.start - t), q.client))
+                out.append((a.start, max(0.0, a.start - t), counts))
             else:
+                heapq.heappush(gave_up, (t + q.duration, client))
                 queue_until = max(queue_until, t + q.duration)
         out.sort()
         return out
+
+    def _counts(
+        self, t: float, client: str, holds: dict[str, int], waiting: dict[str, int]
+    ) -> bool:
+        """Whether the proxy took a wait queued at `t` as engine pressure
+        (`Admission.enqueue`: nobody past the fair share, the waiter under it)."""
+        if not self._fair:
+            return True
+        n = len({*holds, *waiting, client})
+        if n < 2:
+            return True
+        share = max(1, -(-self.limit(t) // n))
+        return holds.get(client, 0) < share and max(holds.values(), default=0) <= share
+
+
+def _add(counts: dict[str, int], key: str, by: int) -> None:
+    n = counts.get(key, 0) + by
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)

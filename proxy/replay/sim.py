@@ -228,8 +228,8 @@ class Sim:
             first = self._scrapes[0] if self._scrapes else 0.0
             self.at(first if first < lad.throttle.scrape_interval_s else 0.0, self.scrape)
         self.at(0.0, self.sample)
-        for t, seconds, client in self._observed.waits:
-            self.at(t, self.observed_wait, seconds, client)
+        for t, seconds, counts in self._observed.waits:
+            self.at(t, self.observed_wait, seconds, counts)
         for t, tier in self.trace.forces:
             self.at(t, self.force, tier)
         reqs = self._sessions()
@@ -427,19 +427,12 @@ class Sim:
         if not self._follows_recording():
             self.pressure.record_queue_wait(seconds, self.admission.limit, counts)
 
-    def observed_wait(self, seconds: float, client: str) -> None:
+    def observed_wait(self, seconds: float, counts: bool) -> None:
         """A wait the recorded proxy's admission queue saw, at the instant it
-        ended: the pressure signal while the replay is where the recording was."""
+        ended (`counts`: the proxy took it as engine pressure when it queued):
+        the pressure signal while the replay is where the recording was."""
         if self._follows_recording():
-            adm = self.admission
-            counts = True
-            if self.policy.ladder.throttle.fair_share:
-                share, clients = adm.share(client)
-                mine = adm.held.get(client, 0)
-                counts = clients < 2 or (
-                    mine < share and max(adm.held.values(), default=0) <= share
-                )
-            self.pressure.record_queue_wait(seconds, adm.limit, counts)
+            self.pressure.record_queue_wait(seconds, self.admission.limit, counts)
 
     def _follows_recording(self) -> bool:
         o = self._observed

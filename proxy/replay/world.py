@@ -42,10 +42,18 @@ latency, moved by curve(n_replay) − curve(n_recorded) (additive: a queue
 adds waiting time, and a ratio of small medians would explode); any other
 gets curve(n) plus the residual (observed − curve) of the nearest recorded
 answer in time, so slow stretches stay slow. vLLM's gauges for the
-throttle: `waiting` = max(0, n + others − capacity), `running` the rest,
-where `others` is what the engine held beyond the proxy's own requests in
-the nearest sample, and the KV cache moves from its recorded value by the
-fitted KV-per-running-request slope.
+throttle are the nearest recorded scrape's, moved by the difference between
+the replay's requests in flight and the recorded proxy's around that scrape
+(more fill `running` up to the capacity, then `waiting`; fewer leave
+`waiting` first): with a count the recorded proxy had within
+`GAUGE_SLACK_S` of the scrape, the replay reads what the proxy read. (A
+scrape's record is written when its answer is in, the engine read its
+count a round trip earlier, and an engine's count lags the proxy's — a
+request sent but not yet taken in, an answer relayed still counted; the
+replay sends a request when it is admitted, the proxy a fraction of a
+millisecond later. Near the marks one request decides a window.) The KV
+cache moves from its recorded value by the fitted KV-per-running-request
+slope. Without scrapes, `running` = min(n, capacity) and `waiting` the rest.
 
 **Limits.** The curves are only as good as the load the recording saw: a
 policy admitting far more than was ever admitted is extrapolated (linear
@@ -75,6 +83,9 @@ SPORADIC_S = 2.0
 ERROR_BIN_S = 10.0
 CONNECT_FAIL_S = 0.002  # a refused connection answers at once
 MIN_TTFT_S = 0.001
+# A scrape's reading and the recorded proxy's count this far apart in time
+# are not ordered by the replay (see the module text).
+GAUGE_SLACK_S = 0.005
 DEFAULTS = {"ttft_s": 0.5, "tpot_s": 0.05, "capacity": 4.0, "error_s": 0.01}
 
 # Evidence classes.
@@ -222,6 +233,18 @@ class BackendWorld:
         i = bisect.bisect_right(self._n_t, t) - 1
         return self._n_v[i] if i >= 0 else 0
 
+    def recorded_range(self, a: float, b: float) -> tuple[int, int]:
+        """The fewest and the most requests the recording had in flight at
+        this backend from `a` to `b`."""
+        n_t, n_v = self._n_t, self._n_v
+        i = bisect.bisect_right(n_t, a) - 1
+        j = bisect.bisect_right(n_t, b)
+        # (Several changes at one instant: only the last one held.)
+        seen = [n_v[k] for k in range(max(0, i), j) if k + 1 == j or n_t[k + 1] != n_t[k]]
+        if i < 0:
+            seen.append(0)
+        return min(seen), max(seen)
+
     def residual(self, t: float) -> tuple[float, float]:
         """(TTFT, time per token) of the nearest recorded answer less the curves'."""
         if not self._res_t:
@@ -235,21 +258,28 @@ class BackendWorld:
 
     def gauges(self, t: float, n: int) -> tuple[float, float, float]:
         """vLLM's (waiting, running, kv cache) with `n` of the replay's
-        requests in flight at `t`."""
-        others = 0.0
-        kv_rec, run_rec = None, 0.0
-        if self.engine:
-            i = max(0, bisect.bisect_right(self._engine_t, t) - 1)
-            e = self.engine[i]
-            others = max(0.0, e.waiting + e.running - self.recorded_n(e.t))
-            kv_rec, run_rec = e.kv, e.running
-        total = n + others
-        running = min(total, self.capacity)
-        waiting = max(0.0, total - self.capacity)
-        if kv_rec is None:
-            kv = min(1.0, 0.9 * running / self.capacity + 0.05 * waiting / self.capacity)
+        requests in flight at `t` (see the module text)."""
+        cap = self.capacity
+        if not self.engine:
+            running = min(float(n), cap)
+            waiting = max(0.0, n - cap)
+            kv = min(1.0, 0.9 * running / cap + 0.05 * waiting / cap)
+            return waiting, running, kv
+        e = self.engine[max(0, bisect.bisect_right(self._engine_t, t) - 1)]
+        # The recorded reading, moved by the replay's difference in flight
+        # (not rebuilt from `n`: the engine's count lags the proxy's).
+        lo, hi = self.recorded_range(e.t - GAUGE_SLACK_S, e.t + GAUGE_SLACK_S)
+        delta = n - hi if n > hi else n - lo if n < lo else 0
+        waiting, running = e.waiting, e.running
+        if delta >= 0:
+            more = min(float(delta), max(0.0, cap - running))
+            running += more
+            waiting += delta - more
         else:
-            kv = min(1.0, max(0.0, kv_rec + self.kv_slope * (running - run_rec)))
+            fewer = min(float(-delta), waiting)
+            waiting -= fewer
+            running = max(0.0, running - (-delta - fewer))
+        kv = min(1.0, max(0.0, e.kv + self.kv_slope * (running - e.running)))
         return waiting, running, kv
 
     def latency(self, q: Request, t: float, n: int) -> tuple[float, float]:

@@ -237,12 +237,6 @@ async def test_a_primary_death_replays_as_it_happened(stack: Stack, tmp_path: Pa
     check_fidelity(fid, trace)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="flaky since this round's merges (2 failures in 5 runs on 2026-12-02, e.g. tier "
-    "agreement 0.766, sheds recorded 68 / replayed 1, TTFT p50 0.059 s recorded / 2.56 s "
-    "replayed): the replay's queue model overshoots on some live bursts; open in issue 22",
-)
 async def test_an_overload_burst_replays_as_it_happened(stack: Stack, tmp_path: Path) -> None:
     """Six clients, then twenty more for 8 s: the engine's queue (its
     `waiting` gauge) and the proxy's queue drive the throttle tier."""

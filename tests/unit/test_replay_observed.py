@@ -78,7 +78,7 @@ def test_queue_waits_are_rebuilt_from_the_recording() -> None:
     assert tr.calls
     waits = ObservedWaits(tr, pol)
     assert waits.usable
-    assert [(round(t, 6), round(s, 6), c) for t, s, c in waits.waits] == [(1.0, 0.9, "c1")]
+    assert [(round(t, 6), round(s, 6), c) for t, s, c in waits.waits] == [(1.0, 0.9, True)]
 
 
 def test_recorded_waits_stand_in_only_where_the_replay_stands_where_the_recording_did() -> None:
@@ -107,3 +107,53 @@ def test_an_older_recording_without_call_instants_models_its_waits() -> None:
     tr = Trace.from_records(records(pol, old))
     assert not tr.calls
     assert not ObservedWaits(tr, pol).usable
+
+
+def test_a_wait_counts_as_the_proxy_counted_it_when_it_queued() -> None:
+    """Fair share with three clients: when c3's request queued, c1 and c2
+    held 3 slots each and c3 held 2 of the 8 — under its share (⌈8 ÷ 3⌉ =
+    3), nobody over it: the proxy took its 2.5 s wait as engine pressure
+    and throttled at its next window. The replay decided it at the backend
+    call, when c3's new slot was already counted against its share, and
+    dropped the wait (no throttle)."""
+    pol = policy(POLICY.replace("max_inflight: 2", "max_inflight: 8"))
+
+    def held(client: str, end: float) -> dict[str, Any]:
+        return {**req(0.1, 0.1, end), "cl": client}
+
+    ticks = [{"k": "tick", "t": round(0.2 * i, 1)} for i in range(1, 26)]
+    tr = Trace.from_records(
+        records(
+            pol,
+            *ticks,
+            held("c1", 3.49),  # its slot goes to c3's waiter...
+            held("c1", 4.0),
+            held("c1", 4.0),
+            *(held("c2", 4.0) for _ in range(3)),
+            *(held("c3", 4.0) for _ in range(2)),
+            {**req(1.0, 3.5, 4.5), "cl": "c3"},  # ...which calls the backend at 3.5
+            {"k": "tier", "t": 3.6, "from": "normal", "to": "throttle", "why": "pressure"},
+            {"k": "limit", "t": 3.6, "from": 8, "to": 6},
+        )
+    )
+    waits = ObservedWaits(tr, pol)
+    assert [(round(t, 6), round(s, 6), c) for t, s, c in waits.waits] == [(3.5, 2.5, True)]
+    run = Sim(pol, tr, build_world(tr)).replay()
+    assert [(round(t, 2), a, b) for t, a, b, _ in run.transitions] == [(3.6, "normal", "throttle")]
+
+
+def test_a_wait_behind_a_client_over_its_share_does_not_count() -> None:
+    pol = policy(POLICY.replace("max_inflight: 2", "max_inflight: 8"))
+
+    def held(client: str) -> dict[str, Any]:
+        return {**req(0.1, 0.1, 4.0), "cl": client}
+
+    tr = Trace.from_records(
+        records(
+            pol,
+            *(held("c1") for _ in range(6)),  # over its share (⌈8 ÷ 2⌉ = 4)
+            *(held("c2") for _ in range(2)),
+            {**req(1.0, 4.0, 4.5), "cl": "c2"},
+        )
+    )
+    assert [c for _, _, c in ObservedWaits(tr, pol).waits] == [False]
