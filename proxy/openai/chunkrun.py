@@ -138,9 +138,12 @@ class ChunkRuns:
             return False
         prefix, suffix = event[: m.start(1)], event[m.end(1) :]
         if (
-            b'"choices"' not in prefix
-            or b'"role"' in prefix  # the first chunk of a chat answer
-            or not (b'"finish_reason":null' in suffix or b'"finish_reason": null' in suffix)
+            prefix.find(b'"choices"') < 0
+            or prefix.find(b'"role"') >= 0  # the first chunk of a chat answer
+            or (
+                suffix.find(b'"finish_reason":null') < 0
+                and suffix.find(b'"finish_reason": null') < 0
+            )
         ):
             self._failures += 1
             return False
