@@ -145,17 +145,19 @@ class StreamGuard(ContentRules):
         del self.notes[n:]
 
     def _feed(self, region: bytes) -> GuardVerdict:
+        if region.endswith(DONE_EVENT):  # never on the fast path itself
+            if len(region) > len(DONE_EVENT):
+                # The last region: chunks then [DONE]. Keep the chunks on the fast path.
+                head = region[: -len(DONE_EVENT)]
+                verdict = self._fast(head)
+                if verdict is head:
+                    return region
+                if verdict is not None:
+                    return verdict  # a Trip: _fast never drops events
+            return self._slow(region)
         verdict = self._fast(region)
         if verdict is not None:
             return verdict
-        if region.endswith(DONE_EVENT) and len(region) > len(DONE_EVENT):
-            # The last region: chunks then [DONE]. Keep the chunks on the fast path.
-            head = region[: -len(DONE_EVENT)]
-            verdict = self._fast(head)
-            if verdict is head:
-                return region
-            if verdict is not None:
-                return verdict  # a Trip: _fast never drops events
         return self._slow(region)
 
     def feed_final(self, region: bytes) -> GuardVerdict:

@@ -58,12 +58,16 @@ def markers(region: bytes, run: Run | None = None) -> tuple[int, int, bool, int]
     of the markers, so only the events around it are searched."""
     if run is None:
         return _search(region, 0)
-    events, err_at, finished, done_at = _search(region[: run.start], 0)
-    if err_at < 0 and done_at < 0:
-        more, err_at, fin, done_at = _search(region[run.end :], run.end)
+    start, end = run.start, run.end
+    events, err_at, finished, done_at = _search(region[:start], 0) if start else _NOTHING
+    if err_at < 0 and done_at < 0 and end < len(region):
+        more, err_at, fin, done_at = _search(region[end:], end)
         events += more
         finished = finished or fin
     return events + len(run.literals), err_at, finished, done_at
+
+
+_NOTHING: Final = (0, -1, False, -1)  # `_search(b"", 0)`
 
 
 def _search(region: bytes, offset: int) -> tuple[int, int, bool, int]:
