@@ -36,10 +36,10 @@ _BYTES_CHECK_FROM: Final = 256
 _CONTROLS_MARKED: Final = bytes(0x3F if c < 0x20 or c == 0x7F else c for c in range(256))
 
 
-def _printable(text: str) -> bool:
-    """`text.isprintable()`, faster on long ASCII text (where the printable
-    characters are exactly 0x20-0x7E)."""
-    if len(text) >= _BYTES_CHECK_FROM and text.isascii():
+def _long_printable(text: str) -> bool:
+    """`text.isprintable()` for a long text, faster when it is ASCII (where
+    the printable characters are exactly 0x20-0x7E)."""
+    if text.isascii():
         raw = text.encode("ascii")
         return raw.translate(_CONTROLS_MARKED) == raw
     return text.isprintable()
@@ -102,7 +102,11 @@ class ContentRules:
         muted = self._muted
 
         # Most tokens are printable, which rules out control characters at once.
-        if g.ctrl_re is not None and not muted & CTRL and not _printable(text):
+        if (
+            g.ctrl_re is not None
+            and not muted & CTRL
+            and not (text.isprintable() if len(text) < _BYTES_CHECK_FROM else _long_printable(text))
+        ):
             m = g.ctrl_re.search(text)
             if m is not None:
                 i = m.start()
