@@ -145,17 +145,19 @@ class StreamGuard(ContentRules):
         del self.notes[n:]
 
     def _feed(self, region: bytes) -> GuardVerdict:
+        if region.endswith(DONE_EVENT):  # never on the fast path itself
+            if len(region) > len(DONE_EVENT):
+                # The last region: chunks then [DONE]. Keep the chunks on the fast path.
+                head = region[: -len(DONE_EVENT)]
+                verdict = self._fast(head)
+                if verdict is head:
+                    return region
+                if verdict is not None:
+                    return verdict  # a Trip: _fast never drops events
+            return self._slow(region)
         verdict = self._fast(region)
         if verdict is not None:
             return verdict
-        if region.endswith(DONE_EVENT) and len(region) > len(DONE_EVENT):
-            # The last region: chunks then [DONE]. Keep the chunks on the fast path.
-            head = region[: -len(DONE_EVENT)]
-            verdict = self._fast(head)
-            if verdict is head:
-                return region
-            if verdict is not None:
-                return verdict  # a Trip: _fast never drops events
         return self._slow(region)
 
     def feed_final(self, region: bytes) -> GuardVerdict:
@@ -189,9 +191,9 @@ class StreamGuard(ContentRules):
         cre = self._content_re
         if cre is None:
             # Decided once per stream: completions carry `"text":`, chat chunks never do.
-            if b'"text":' in region:
+            if region.find(b'"text":') >= 0:
                 cre = self._content_re = _TEXT_RE
-            elif b'"content":' in region:
+            elif region.find(b'"content":') >= 0:
                 cre = self._content_re = _CONTENT_RE
             else:
                 return region  # e.g. a role-only first chunk: no text yet
@@ -202,7 +204,7 @@ class StreamGuard(ContentRules):
         # ends inside an escape.
         raw = literals[0] if len(literals) == 1 else b"".join(literals)
         try:
-            text = raw.decode() if b"\\" not in raw else _scanstring(raw.decode() + '"', 0)[0]
+            text = raw.decode() if raw.find(b"\\") < 0 else _scanstring(raw.decode() + '"', 0)[0]
         except ValueError:
             return None
         if text:
@@ -219,7 +221,7 @@ class StreamGuard(ContentRules):
         decoding of its text. None when its literals do not decode."""
         parts = run.literals
         raw = b"".join(parts)
-        if b"\\" in raw or b'"' in raw:
+        if raw.find(b"\\") >= 0 or raw.find(b'"') >= 0:
             # Each piece must be a whole string literal: decode them as a list.
             try:
                 texts = json.loads(b'["' + b'","'.join(parts) + b'"]')

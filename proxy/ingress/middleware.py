@@ -22,6 +22,7 @@ frame and handler wrapper on every request.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Mapping
 
 import structlog
@@ -42,6 +43,13 @@ from proxy.runtime.shutdown import Draining
 log = structlog.get_logger("brownout.request")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# structlog's context variable for `request_id` (what bind_contextvars sets),
+# set directly: bind_contextvars and clear_contextvars cost ~10,000
+# instructions a request (a context copy and a walk over it), this ~4,000.
+_REQUEST_ID_VAR: contextvars.ContextVar[object] = structlog.contextvars.bind_contextvars(
+    request_id=...
+)["request_id"].var
 
 # The response once its headers are on their way (set by `stamp_response`).
 _PREPARED: web.RequestKey[web.StreamResponse] = web.RequestKey(
@@ -65,7 +73,7 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
     # One connection's task serves its keep-alive requests one after the
     # other, each leaving an empty log context (the `finally` below; nothing
     # else binds one), so the next starts from an empty one.
-    structlog.contextvars.bind_contextvars(request_id=rid)
+    _REQUEST_ID_VAR.set(rid)  # structlog's bind_contextvars(request_id=rid)
     deadline = listen.request_started(request)
     counted: Draining | None = None
     try:
@@ -108,7 +116,8 @@ async def ingress(request: web.Request, handler: Handler) -> web.StreamResponse:
         if counted is not None:
             counted.active -= 1
         listen.request_finished(request, deadline)
-        structlog.contextvars.clear_contextvars()
+        # structlog's clear_contextvars(): request_id is the only variable bound.
+        _REQUEST_ID_VAR.set(...)
 
 
 def _shutting_down(request: web.Request) -> web.Response:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 
@@ -35,10 +34,25 @@ MAX_FIELD_NAME = 128
 _TOKEN_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1," + str(MAX_FIELD_NAME) + r"}\Z")
 # How much of a bad name the error echoes (escaped).
 _SHOWN = 64
+# The OpenAI and vLLM request fields a body usually has: all tokens, so a
+# set lookup spares the regex (~2,700 instructions a key) for them.
+_KNOWN_FIELDS = frozenset(
+    {
+        "model", "messages", "prompt", "stream", "stream_options", "max_tokens",
+        "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "user",
+        "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+        "response_format", "tools", "tool_choice", "parallel_tool_calls", "suffix", "echo",
+        "best_of", "top_k", "min_p", "repetition_penalty", "metadata", "store",
+        "reasoning_effort", "modalities", "service_tier", "ignore_eos", "min_tokens",
+    }
+)  # fmt: skip
+# isinstance() with these tuples: `int | float` builds a union object per call.
+_NUMBER = (int, float)
+_KNOWN_PARTS = frozenset({"text", "image_url", "input_audio", "file", "refusal", "video_url"})
+_CONTENT = (str, list)
 
 
-@dataclass(frozen=True, slots=True)
-class ParsedRequest:
+class ParsedRequest(NamedTuple):  # one per request: a tuple is made at C speed
     body: dict[str, Any]
     stream: bool
 
@@ -69,7 +83,7 @@ def _bad_name(name: str, noun: str, param: str) -> RequestRejected:
 def check_field_names(body: dict[str, Any]) -> None:
     """Every top-level key of a request body is a token (see the module doc)."""
     for key in body:
-        if _TOKEN_RE.match(key) is None:
+        if key not in _KNOWN_FIELDS and _TOKEN_RE.match(key) is None:
             raise _bad_name(key, "field name", key)
 
 
@@ -127,7 +141,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
             raise _bad(f"'{key}' must be a non-negative integer", key, "invalid_type")
     for key in ("temperature", "top_p"):
         v = body.get(key)
-        if v is not None and (not isinstance(v, int | float) or isinstance(v, bool)):
+        if v is not None and (not isinstance(v, _NUMBER) or isinstance(v, bool)):
             raise _bad(f"'{key}' must be a number", key, "invalid_type")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -146,41 +160,47 @@ def _check_messages(body: dict[str, Any]) -> None:
         raise _bad("'messages' is required", "messages", "missing_field")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
+    # `where` (the message's name in an error) is only made for an error.
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
         if not isinstance(m, dict):
+            where = f"messages[{i}]"
             raise _bad(f"'{where}' must be an object", where, "invalid_type")
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
+            where = f"messages[{i}]"
             raise _bad(
                 f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}",
                 f"{where}.role",
                 "invalid_type",
             )
         content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
+        if content is not None and not isinstance(content, _CONTENT):
+            where = f"messages[{i}]"
             raise _bad(
                 f"'{where}.content' must be a string or a list of parts",
                 f"{where}.content",
                 "invalid_type",
             )
         if isinstance(content, list):
-            _check_parts(content, f"{where}.content")
+            _check_parts(content, i)
 
 
-def _check_parts(parts: list[Any], where: str) -> None:
-    """Content parts: objects; a `type`, when given, is a string; a `text`,
-    when given, is a string (the proxy reads it: sessions, FAQ matching)."""
+def _check_parts(parts: list[Any], i: int) -> None:
+    """Content parts (of `messages[i]`): objects; a `type`, when given, is a
+    string; a `text`, when given, is a string (the proxy reads it: sessions,
+    FAQ matching)."""
     for j, part in enumerate(parts):
-        at = f"{where}[{j}]"
         if not isinstance(part, dict):
+            at = f"messages[{i}].content[{j}]"
             raise _bad(f"'{at}' must be an object", at, "invalid_type")
         kind = part.get("type", "text")
         if not isinstance(kind, str):
+            at = f"messages[{i}].content[{j}]"
             raise _bad(f"'{at}.type' must be a string", f"{at}.type", "invalid_type")
-        if _TOKEN_RE.match(kind) is None:
-            raise _bad_name(kind, "content part type", f"{at}.type")
+        if kind not in _KNOWN_PARTS and _TOKEN_RE.match(kind) is None:
+            raise _bad_name(kind, "content part type", f"messages[{i}].content[{j}].type")
         if "text" in part and not isinstance(part["text"], str):
+            at = f"messages[{i}].content[{j}]"
             raise _bad(f"'{at}.text' must be a string", f"{at}.text", "invalid_type")
 
 
@@ -188,5 +208,5 @@ def _check_prompt(body: dict[str, Any]) -> None:
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("'prompt' is required", "prompt", "missing_field")
-    if not isinstance(prompt, str | list):
+    if not isinstance(prompt, _CONTENT):
         raise _bad("'prompt' must be a string or a list", "prompt", "invalid_type")

@@ -5,12 +5,15 @@ vLLM wraps every token in the same envelope — `data: {"id":…,"object":…,
 `"},"logprobs":null,"finish_reason":null}]}` and a blank line. When a read
 returns many events at once (a fast engine, a slow client catching up), the
 relay's marker searches and the guard's shape checks would scan all those
-envelope bytes. Once a stream's envelope is known, one `split` on newlines, a
-slice per event and one comparison of the rebuilt bytes with the original
-prove that a run of events holds nothing but text chunks — no error, no
-finish, no `[DONE]` — and hand over the text literals.
+envelope bytes. Once a stream's envelope is known, the region's lines (cut at
+memchr speed by `BytesIO.readlines`), a slice per event and one comparison of
+the rebuilt bytes with the original, in place, prove that a run of events
+holds nothing but text chunks — no error, no finish, no `[DONE]` — and hand
+over the text literals. (`bytes.split` on a newline walks the bytes one by
+one: on a 1,024-chunk burst it cost more than the rest of the relay's work
+on it.)
 
-Sound because a JSON string cannot hold a raw newline: splitting on `\\n`
+Sound because a JSON string cannot hold a raw newline: cutting at `\\n`
 finds every event, and byte equality with `prefix + literal + suffix` for
 each leaves nothing unchecked.
 """
@@ -19,8 +22,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Final, cast
+from io import BytesIO
+from typing import Final, NamedTuple, cast
 
 from proxy.openai.chunks import CONTENT_RE, TEXT_RE, single_choice_events
 
@@ -31,9 +34,10 @@ MIN_RUN_BYTES: Final = 2048
 MAX_LEARN_FAILURES: Final = 4
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
-    """`region[start:end]` is `len(literals)` text chunks of one envelope."""
+class Run(NamedTuple):
+    """`region[start:end]` is `len(literals)` text chunks of one envelope.
+    (A NamedTuple: one per region, made at C speed; a frozen dataclass sets
+    each field through object.__setattr__.)"""
 
     start: int
     end: int
@@ -101,10 +105,21 @@ class ChunkRuns:
             if j < i:
                 return None
             j += len(suffix)
-        mid = region if i == 0 and j == n else region[i:j]
-        lines = mid.split(b"\n")  # e1, "", e2, "", …, ek, "", ""
-        literals = list(map(literal, lines[0:-2:2]))
-        if prefix + self._junction.join(literals) + suffix != mid:
+        lp, ls = len(prefix), len(suffix)
+        if j - i < lp + ls:
+            return None
+        # region[:i] and region[i:j] both end with a newline, so the lines of
+        # region[i:j] are lines[h:t] of the region's: e1, "", e2, "", …, ek, ""
+        # (each with its newline), after the h lines of region[:i] and before
+        # those of region[j:] (a few events each: counted on their own).
+        lines = BytesIO(region).readlines()
+        h = region.count(b"\n", 0, i) if i else 0
+        t = len(lines) - (region.count(b"\n", j) + (not region.endswith(b"\n")) if j < n else 0)
+        literals = list(map(literal, lines[h : t - 1 : 2]))
+        # region[i:j] == prefix + junction.join(literals) + suffix, compared
+        # in place: it starts with prefix and ends with suffix already.
+        body = self._junction.join(literals)
+        if len(body) != j - i - lp - ls or not region.startswith(body, i + lp):
             return None
         return Run(i, j, literals, self._chat)
 
@@ -123,16 +138,20 @@ class ChunkRuns:
             return False
         prefix, suffix = event[: m.start(1)], event[m.end(1) :]
         if (
-            b'"choices"' not in prefix
-            or b'"role"' in prefix  # the first chunk of a chat answer
-            or not (b'"finish_reason":null' in suffix or b'"finish_reason": null' in suffix)
+            prefix.find(b'"choices"') < 0
+            or prefix.find(b'"role"') >= 0  # the first chunk of a chat answer
+            or (
+                suffix.find(b'"finish_reason":null') < 0
+                and suffix.find(b'"finish_reason": null') < 0
+            )
         ):
             self._failures += 1
             return False
         self._prefix, self._suffix, self._junction = prefix, suffix, suffix + prefix
         self._chat = m.re is CONTENT_RE
-        # A C-level slice per event line (the line lacks the suffix's blank line).
+        # A C-level slice per event line (the line ends with one newline of the
+        # suffix's two).
         self._literal = cast(
-            "Callable[[bytes], bytes]", operator.itemgetter(slice(len(prefix), 2 - len(suffix)))
+            "Callable[[bytes], bytes]", operator.itemgetter(slice(len(prefix), 1 - len(suffix)))
         )
         return True

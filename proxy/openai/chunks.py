@@ -4,6 +4,11 @@ A region is whole SSE events with LF line ends (`proxy.openai.sse.SSEFramer`). J
 payloads cannot hold a raw newline, so a marker found at a line start is a
 real SSE field, and a key found with its quotes is a real key (inside a JSON
 string every `"` is escaped).
+
+Substring tests on the relay's path are `find(...) >= 0`, not `in`: CPython
+3.11's `bytes.__contains__` first tries its argument as an int, and raises
+and discards a formatted TypeError before it searches (~1,100 instructions a
+test, a dozen tests a request).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ def has_finish_reason(data: bytes) -> bool:
     """True when a chunk carries a non-null finish_reason (vLLM sends `null` on
     every other chunk, so the key alone is not enough). Inside a JSON string
     the quotes would be escaped, so token text cannot match."""
-    return b'"finish_reason":"' in data or b'"finish_reason": "' in data
+    return data.find(b'"finish_reason":"') >= 0 or data.find(b'"finish_reason": "') >= 0
 
 
 def single_choice_events(region: bytes) -> bool:
@@ -44,7 +49,7 @@ def single_choice_events(region: bytes) -> bool:
 def is_chunk_stream(region: bytes) -> bool:
     """The first region of a stream is chat or completion chunks (the format
     the guard and rescue know), not e.g. Responses API events."""
-    return b'"choices"' in region
+    return region.find(b'"choices"') >= 0
 
 
 def markers(region: bytes, run: Run | None = None) -> tuple[int, int, bool, int]:
@@ -53,12 +58,16 @@ def markers(region: bytes, run: Run | None = None) -> tuple[int, int, bool, int]
     of the markers, so only the events around it are searched."""
     if run is None:
         return _search(region, 0)
-    events, err_at, finished, done_at = _search(region[: run.start], 0)
-    if err_at < 0 and done_at < 0:
-        more, err_at, fin, done_at = _search(region[run.end :], run.end)
+    start, end = run.start, run.end
+    events, err_at, finished, done_at = _search(region[:start], 0) if start else _NOTHING
+    if err_at < 0 and done_at < 0 and end < len(region):
+        more, err_at, fin, done_at = _search(region[end:], end)
         events += more
         finished = finished or fin
     return events + len(run.literals), err_at, finished, done_at
+
+
+_NOTHING: Final = (0, -1, False, -1)  # `_search(b"", 0)`
 
 
 def _search(region: bytes, offset: int) -> tuple[int, int, bool, int]:

@@ -68,7 +68,7 @@ class SSEParser:
         if self._cr_pending:
             chunk = b"\r" + chunk
             self._cr_pending = False
-        if b"\r" in chunk:
+        if chunk.find(b"\r") >= 0:  # `find`, not `in`: see proxy.openai.chunks
             if chunk.endswith(b"\r"):
                 # Might be the first half of CRLF: decide when the next read comes.
                 chunk = chunk[:-1]
@@ -146,7 +146,7 @@ class SSEFramer:
         if self._cr_pending:
             chunk = b"\r" + chunk
             self._cr_pending = False
-        if b"\r" in chunk:
+        if chunk.find(b"\r") >= 0:  # `find`, not `in`: see proxy.openai.chunks
             if chunk.endswith(b"\r"):
                 chunk = chunk[:-1]
                 self._cr_pending = True

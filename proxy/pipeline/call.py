@@ -7,7 +7,6 @@ its answer, and following it would reach a URL the protections never saw.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -17,6 +16,7 @@ from yarl import URL
 from proxy.backends.upstream import Upstream
 from proxy.ingress.headers import forward_headers
 from proxy.openai.errors import error_body
+from proxy.pipeline.deadline import Deadline
 from proxy.pipeline.record import AttemptResult, RequestRecord
 
 
@@ -71,7 +71,7 @@ async def call(
     `timeout_fault`: what a missed `deadline` is (`total_timeout` for a
     non-streaming answer, whose headers come after the whole generation)."""
     try:
-        async with asyncio.timeout_at(deadline):
+        with Deadline(rec.loop, deadline):
             return await up.session.request(
                 method,
                 url,

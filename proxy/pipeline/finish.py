@@ -112,7 +112,10 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
         extra["rescued"] = True
     if term.detail:
         extra["detail"] = term.detail
-    log.info(
+    # `log.bind().info`, not `log.info`: the same bound logger, without the
+    # lazy proxy's failed attribute lookup (an AttributeError made and
+    # dropped, ~8,000 instructions) on every request.
+    log.bind().info(
         "request",
         request_id=rec.rid,
         endpoint=rec.endpoint,

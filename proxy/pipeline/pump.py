@@ -22,7 +22,6 @@ keep the connection; from then on failures are reported in-band:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from bisect import bisect_left
 from collections.abc import Mapping
@@ -145,7 +144,7 @@ async def relay_stream(
     """
     if client is None:
         client = EventStream(status=200, headers=headers)
-    pump = Pump(request, upstream, client, heartbeat_s, idle_s)
+    pump = Pump(request, upstream, client, heartbeat_s, idle_s, first_byte_deadline)
     loop = pump.loop
     framer = SSEFramer(max_event_bytes)
     runs = ChunkRuns()
@@ -167,17 +166,18 @@ async def relay_stream(
         try:
             if prefix:
                 region = framer.feed(prefix)
-            async with asyncio.timeout_at(first_byte_deadline):
-                while not region:
-                    chunk = await content.readany()
-                    if not chunk:
-                        break
-                    region = framer.feed(chunk)
-        except TimeoutError:
-            result.outcome = "first_byte_timeout"
-            result.detail = "no answer from the backend before the first-byte deadline"
-            return await _fail(pump, result, 504, "upstream_timeout")
+            # Past the first-byte deadline the pump's timer closes the
+            # upstream, which ends this read with an error (`pump.expired`).
+            while not region:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                region = framer.feed(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            if pump.expired:
+                result.outcome = "first_byte_timeout"
+                result.detail = "no answer from the backend before the first-byte deadline"
+                return await _fail(pump, result, 504, "upstream_timeout")
             # Nothing reached the client yet: an HTTP error the caller may retry.
             result.outcome = "upstream_disconnect"
             result.detail = f"backend connection lost before the answer ({type(exc).__name__})"
@@ -186,6 +186,7 @@ async def relay_stream(
             result.outcome = "event_too_large"
             result.detail = f"backend stream: {exc}"
             return await _fail(pump, result, 502, "upstream_event_too_large")
+        pump.first_event()  # or the end of the stream: the deadline is over
         if not region:
             region = framer.flush()
             if not region:

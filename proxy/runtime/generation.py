@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from prometheus_client import Counter
 
 from proxy.backends.upstream import ProbeMisconfigured, Upstream
 from proxy.control.admission import Admission
@@ -38,7 +37,7 @@ from proxy.sessions.conversation import TurnIds
 from proxy.sessions.counters import EstimateTokenCounter, RemoteTokenCounter, TokenCounter
 from proxy.sessions.saves import PendingSaves
 from proxy.sessions.store import MemorySessionStore, SessionStore
-from proxy.telemetry.metrics import BackendMetrics, Metrics
+from proxy.telemetry.metrics import BackendMetrics, CounterChild, Metrics
 from proxy.telemetry.recorder import Recorder
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ class Runtime:
     backend_metrics: dict[str, BackendMetrics] = field(default_factory=dict)
     inflight: int = 0
     started_at: float = field(default_factory=time.time)
-    _request_counters: dict[tuple[str, str, int], Counter] = field(default_factory=dict)
+    _request_counters: dict[tuple[str, str, int], CounterChild] = field(default_factory=dict)
     # The app's background work (shared by generations); a private one if None.
     supervisor: Supervisor | None = None
     # The flight recorder (one per process, `ProxyState`); None: not recording.

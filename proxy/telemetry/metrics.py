@@ -1,12 +1,18 @@
 """Every Prometheus metric of the proxy, in one place, on a per-app registry.
 
 Label children that are known at start-up (one per backend) are bound once,
-so the request path never pays for `.labels()` lookups it can avoid.
+so the request path never pays for `.labels()` lookups it can avoid. What is
+counted or observed on every request (`brownout_requests_total` and the
+request, TTFT and overhead histograms) uses `LiteCounter`/`LiteHistogram`:
+prometheus-client's exposition, byte for byte, without its per-update lock
+and checks (four histogram observations and a counter increment cost ~50,000
+instructions per request; see bench/results/profile.md).
 """
 
 from __future__ import annotations
 
 import platform
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +26,7 @@ from prometheus_client import (
     Info,
     ProcessCollector,
 )
+from prometheus_client import metrics as _prometheus_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -29,6 +36,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from proxy import __version__
 from proxy.telemetry.logs import lines_dropped
@@ -149,6 +157,123 @@ class CounterFamily(Collector):
         yield fam
 
 
+class CounterChild:
+    """One `LiteCounter` child: a float added to on the event loop."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+
+# How prometheus-client writes a bucket bound (`le`); untyped there.
+_go_float: Callable[[float], str] = floatToGoString
+
+
+def _use_created() -> bool:
+    """prometheus-client's switch for the `_created` series (its env
+    variable PROMETHEUS_DISABLE_CREATED_SERIES, `disable_created_metrics()`)."""
+    return bool(_prometheus_metrics._use_created)
+
+
+class LiteCounter(Collector):
+    """A labelled prometheus-client `Counter` as `/metrics` shows it (`_total`,
+    `_created`, children in the order they were first used), updated without
+    its lock: for counters incremented on the event loop only."""
+
+    def __init__(
+        self, name: str, doc: str, labelnames: tuple[str, ...], registry: CollectorRegistry
+    ) -> None:
+        self._name, self._doc, self._labelnames = name, doc, labelnames
+        self._children: dict[tuple[str, ...], tuple[CounterChild, float]] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> CounterChild:
+        key = tuple(map(str, values))
+        got = self._children.get(key)
+        if got is None:
+            if len(key) != len(self._labelnames):
+                raise ValueError("Incorrect label count")
+            got = self._children[key] = (CounterChild(), time.time())
+        return got[0]
+
+    def describe(self) -> Iterator[Metric]:
+        yield Metric(self._name, self._doc, "counter")
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self._name, self._doc, "counter")
+        created = _use_created()
+        for key, (child, at) in list(self._children.items()):
+            labels = dict(zip(self._labelnames, key, strict=True))
+            metric.add_sample(self._name + "_total", labels, child.value)
+            if created:
+                metric.add_sample(self._name + "_created", labels, at)
+        yield metric
+
+
+class LiteHistogram(Collector):
+    """A prometheus-client `Histogram` (labelled or not) as `/metrics` shows
+    it (`_bucket{le}`, `_count`, `_sum`, `_created`, children in the order
+    they were first used), its children `Buckets`: one bisect and two
+    additions per observation, no lock, for the event loop only."""
+
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labelnames: tuple[str, ...] = (),
+        *,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name, self._doc, self._labelnames = name, doc, labelnames
+        self._bounds = tuple(float(b) for b in buckets)
+        self._les = (*(_go_float(b) for b in self._bounds), "+Inf")
+        self._children: dict[tuple[str, ...], tuple[Buckets, float]] = {}
+        self._root = self.labels() if not labelnames else None
+        registry.register(self)
+
+    def labels(self, *values: str) -> Buckets:
+        key = tuple(map(str, values))
+        got = self._children.get(key)
+        if got is None:
+            if len(key) != len(self._labelnames):
+                raise ValueError("Incorrect label count")
+            got = self._children[key] = (Buckets(self._bounds), time.time())
+        return got[0]
+
+    def observe(self, amount: float) -> None:
+        """An observation of a histogram without labels."""
+        if self._root is None:
+            raise ValueError("histogram metric is missing label values")
+        self._root.observe(amount)
+
+    def describe(self) -> Iterator[Metric]:
+        yield Metric(self._name, self._doc, "histogram")
+
+    def collect(self) -> Iterator[Metric]:
+        name = self._name
+        metric = Metric(name, self._doc, "histogram")
+        created = _use_created()
+        for key, (child, at) in list(self._children.items()):
+            labels = dict(zip(self._labelnames, key, strict=True))
+            acc = 0.0
+            for le, n in zip(self._les, list(child.counts), strict=True):
+                acc += n
+                metric.add_sample(name + "_bucket", {**labels, "le": le}, acc)
+            metric.add_sample(name + "_count", labels, acc)
+            if not self._bounds or self._bounds[0] >= 0:
+                metric.add_sample(name + "_sum", labels, child.sum)
+            if created:
+                metric.add_sample(name + "_created", labels, at)
+        yield metric
+
+
 def _le(bound: float) -> str:
     return repr(float(bound))
 
@@ -157,8 +282,8 @@ def _le(bound: float) -> str:
 class BackendMetrics:
     """Children bound to one backend label."""
 
-    ttft: Histogram
-    duration: Histogram
+    ttft: Buckets
+    duration: Buckets
     upstream_errors: Counter
     inter_token: Buckets
     per_output_token: Buckets
@@ -172,35 +297,35 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.requests = Counter(
+        self.requests = LiteCounter(
             "brownout_requests",
             "Proxied requests by backend, endpoint and HTTP status.",
-            ["backend", "endpoint", "status"],
+            ("backend", "endpoint", "status"),
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LiteHistogram(
             "brownout_ttft_seconds",
             "Time from request arrival to the first answer byte sent to the client.",
-            ["backend"],
+            ("backend",),
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.upstream_ttft = Histogram(
+        self.upstream_ttft = LiteHistogram(
             "brownout_upstream_ttft_seconds",
             "Time from the upstream call to its first event: what the engine itself took "
             "(admission queue wait excluded).",
-            ["backend"],
+            ("backend",),
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.duration = Histogram(
+        self.duration = LiteHistogram(
             "brownout_request_duration_seconds",
             "Whole request duration as the client saw it.",
-            ["backend"],
+            ("backend",),
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.overhead = Histogram(
+        self.overhead = LiteHistogram(
             "brownout_proxy_overhead_seconds",
             "Time spent inside the proxy per request: before the upstream call plus "
             "from the upstream's first byte to the client's first byte.",

@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.openai.sse import SSEParser
+from proxy.policy import parse_policy
 from tests.integration.conftest import (
     CHAT_BODY,
     NO_MAINTENANCE,
@@ -283,6 +284,38 @@ async def test_stall_before_first_byte_times_out(
     assert 1.9 < time.monotonic() - t0 < 3.5
     assert json.loads(data[0])["error"]["code"] == "upstream_timeout"
     assert data[-1] == b"[DONE]"
+
+
+async def test_stall_before_first_byte_times_out_with_heartbeats_off(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Issue 24: the first-byte deadline is the stream timer's, not a timeout
+    scope; with no heartbeat to share it, it still fires on time, and the
+    client, who saw nothing yet, gets an HTTP 504."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        await asyncio.sleep(10)
+        return resp
+
+    fake_upstream.handlers["/v1/chat/completions"] = handler
+    text = f"""
+server:
+  heartbeat_s: 0
+backends:
+  primary:
+    url: {fake_upstream.url}
+    timeouts: {{connect_s: 1, first_byte_s: 1, idle_s: 1}}
+    health: {{interval_s: 0.2, timeout_s: 0.5}}
+{NO_MAINTENANCE}"""
+    proxy = await start_proxy(parse_policy(text, "test-policy.yaml"))
+    t0 = time.monotonic()
+    async with proxy.session.post(proxy.url + "/v1/chat/completions", json=CHAT_BODY) as resp:
+        body = await resp.json()
+    assert 0.9 < time.monotonic() - t0 < 2.5
+    assert resp.status == 504
+    assert body["error"]["code"] == "upstream_timeout"
 
 
 async def test_stall_mid_stream_hits_idle_timeout(

@@ -111,3 +111,47 @@ def test_a_run_never_changes_the_relays_or_the_guards_verdict(
     assert with_run == without
     if run is not None:
         assert all(b"\n" not in lit for lit in run.literals)
+
+
+def _cut_by_splitting(runs: ChunkRuns, region: bytes) -> tuple[int, int, list[bytes]] | None:
+    """The run `ChunkRuns.cut` finds, the plain way: the run's bytes split on
+    newlines, each event line sliced, the envelope rebuilt and compared."""
+    prefix, suffix = runs._prefix, runs._suffix
+    if region.startswith(prefix):
+        i = 0
+    else:
+        i = region.find(b"\n\n" + prefix)
+        if i < 0:
+            return None
+        i += 2
+    j = len(region) if region.endswith(suffix) else region.rfind(suffix)
+    if j < i:
+        return None
+    if j < len(region):
+        j += len(suffix)
+    mid = region[i:j]
+    lines = mid.split(b"\n")  # e1, "", e2, "", …, ek, "", ""
+    literals = [line[len(prefix) : 2 - len(suffix)] for line in lines[0:-2:2]]
+    if prefix + (suffix + prefix).join(literals) + suffix != mid:
+        return None
+    return i, j, literals
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    head=st.lists(EVENT, max_size=3),
+    body=st.lists(st.one_of(TEXT.map(chunk), EVENT), min_size=1, max_size=40),
+    tail=st.lists(EVENT, max_size=3),
+    end=st.sampled_from([b"", b"\n", b"data: {", b"\n\n\n", b'"}', b"\r\n"]),
+)
+def test_a_run_is_exactly_what_splitting_the_region_finds(
+    head: list[bytes], body: list[bytes], tail: list[bytes], end: bytes
+) -> None:
+    """Issue 24: the run is cut without splitting the region on every byte;
+    it is the same run, with the same literals, as the plain way finds."""
+    runs = learnt(answer(WORDS))
+    region = b"".join(head + [chunk("x")] * 12 + body + tail) + end
+    want = _cut_by_splitting(runs, region)
+    run = runs.cut(region)
+    got = None if run is None else (run.start, run.end, run.literals)
+    assert got == want

@@ -174,6 +174,24 @@ def test_escapes_that_are_not_control_chars_pass(literal: bytes) -> None:
     assert DEFAULT.stream().feed(r) is r
 
 
+@pytest.mark.parametrize("char", [*map(chr, range(0x20)), "\x7f", "\x85", "é"])
+@pytest.mark.parametrize("at", [0, 150, 399])
+def test_a_long_text_is_judged_as_a_short_one(char: str, at: int) -> None:
+    """Issue 24: long ASCII text (a burst of chunks decoded at once) is
+    checked on its bytes; a control character trips wherever it is, and
+    nothing else does — in one chunk, or in a burst of 20 (a run)."""
+    text = "".join(f"w{i:02d}ab " for i in range(80))  # 400 ASCII characters
+    text = text[:at] + char + text[at + 1 :]
+    control = (ord(char) < 0x20 and char not in "\t\n\r") or char in "\x7f\x85"
+    burst = b"".join(chunk(text[i : i + 20]) for i in range(0, 400, 20))
+    for region in (chunk(text), burst, burst * 2):
+        v = DEFAULT.stream().feed(region)
+        if control:
+            trip_of(v, "control_chars")
+        else:
+            assert v is region
+
+
 def test_c1_controls_are_configurable() -> None:
     for r in [chunk("x\u0085y"), chunk("x\u0092y", ensure_ascii=True)]:
         trip_of(DEFAULT.stream().feed(r), "control_chars")

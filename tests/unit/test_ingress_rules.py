@@ -1,13 +1,19 @@
-"""proxy.ingress: path rules, forwarded headers, the route table."""
+"""proxy.ingress: path rules, forwarded headers, the route table, body validation."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import pytest
 from multidict import CIMultiDict
 
+from proxy.errors import RequestRejected
+from proxy.ingress import validate
 from proxy.ingress.headers import body_coding, forward_headers
 from proxy.ingress.paths import path_problem
 from proxy.ingress.routes import ROUTES, markdown_table
+from proxy.ingress.validate import Endpoint, is_field_token, parse_body
 
 
 @pytest.mark.parametrize(
@@ -131,3 +137,76 @@ def test_route_table() -> None:
         "| `/v1/chat/completions` | POST | `ingress.completions.chat_completions` | client |"
         in table
     )
+
+
+# --------------------------------------------------------------------------- body validation
+
+_OK = {"role": "user", "content": "hi"}
+_PARTS = [{"type": "text", "text": "a"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"messages": [_OK, _OK, 5]}, "messages[2]", "'messages[2]' must be an object"),
+        (
+            {"messages": [_OK, _OK, {"role": "wizard"}]},
+            "messages[2].role",
+            "'messages[2].role' must be one of assistant, developer, function, system, tool, user",
+        ),
+        (
+            {"messages": [_OK, _OK, {"role": "user", "content": 3}]},
+            "messages[2].content",
+            "'messages[2].content' must be a string or a list of parts",
+        ),
+        (
+            {"messages": [_OK, _OK, {"role": "user", "content": [*_PARTS, 7]}]},
+            "messages[2].content[1]",
+            "'messages[2].content[1]' must be an object",
+        ),
+        (
+            {"messages": [_OK, _OK, {"role": "user", "content": [*_PARTS, {"type": 7}]}]},
+            "messages[2].content[1].type",
+            "'messages[2].content[1].type' must be a string",
+        ),
+        (
+            {"messages": [_OK, _OK, {"role": "user", "content": [*_PARTS, {"type": "a b"}]}]},
+            "messages[2].content[1].type",
+            '"a b" is not a valid content part type: content part types are 1-128 characters '
+            "of ASCII letters, digits and !#$%&'*+-.^_`|~",
+        ),
+        (
+            {"messages": [_OK, {"role": "user", "content": [*_PARTS, {"text": 1}]}]},
+            "messages[1].content[1].text",
+            "'messages[1].content[1].text' must be a string",
+        ),
+        (
+            {"messages": [_OK], "temperature": "hot"},
+            "temperature",
+            "'temperature' must be a number",
+        ),
+        ({"messages": [_OK], "top_p": True}, "top_p", "'top_p' must be a number"),
+        (
+            {"messages": [_OK], "top_p": 0.5, "bad name": 1},
+            "bad name",
+            '"bad name" is not a valid field name: field names are 1-128 characters of ASCII '
+            "letters, digits and !#$%&'*+-.^_`|~",
+        ),
+        ({"prompt": 3}, "prompt", "'prompt' must be a string or a list"),
+    ],
+)
+def test_a_bad_body_is_refused_naming_the_field(
+    body: dict[str, Any], param: str, message: str
+) -> None:
+    """Issue 24: the names in these errors are made only for an error now."""
+    endpoint: Endpoint = "completions" if "prompt" in body else "chat"
+    with pytest.raises(RequestRejected) as err:
+        parse_body(json.dumps(body).encode(), endpoint)
+    assert (err.value.status, err.value.param, err.value.message) == (400, param, message)
+
+
+def test_any_token_field_passes_known_or_not() -> None:
+    body = {"messages": [_OK], "model": "m", "max_tokens": 3, "x-custom_field~": 1}
+    assert parse_body(json.dumps(body).encode(), "chat").body == body
+    # The names let through without the regex are tokens by its measure too.
+    assert all(map(is_field_token, validate._KNOWN_FIELDS | validate._KNOWN_PARTS))
