@@ -67,9 +67,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple
 
-from proxy.replay.trace import BACKENDS, Cond, EngineSample, Probe, Request, Trace
+from proxy.replay.trace import BACKENDS, Attempt, Cond, EngineSample, Probe, Request, Trace
 
 SPORADIC_S = 2.0
 ERROR_BIN_S = 10.0
@@ -154,9 +155,11 @@ class BackendWorld:
     _res_t: list[float] = field(default_factory=list)
     _res_ttft: list[float] = field(default_factory=list)
     _res_tpot: list[float] = field(default_factory=list)
-    # Recorded concurrency at this backend (a step function).
-    _n_t: list[float] = field(default_factory=list)
-    _n_v: list[int] = field(default_factory=list)
+    # Recorded concurrency at this backend: the instants its attempts began
+    # and ended, each sorted (in flight at t: those begun by t less those
+    # ended by t).
+    _n_starts: list[float] = field(default_factory=list)
+    _n_ends: list[float] = field(default_factory=list)
     engine: list[EngineSample] = field(default_factory=list)
     kv_slope: float = 0.0
     # Instants requests in flight died: streams seen cut, else the start of a
@@ -219,8 +222,7 @@ class BackendWorld:
     # -- load -----------------------------------------------------------------------
 
     def recorded_n(self, t: float) -> int:
-        i = bisect.bisect_right(self._n_t, t) - 1
-        return self._n_v[i] if i >= 0 else 0
+        return bisect.bisect_right(self._n_starts, t) - bisect.bisect_right(self._n_ends, t)
 
     def residual(self, t: float) -> tuple[float, float]:
         """(TTFT, time per token) of the nearest recorded answer less the curves'."""
@@ -372,36 +374,96 @@ class World:
 # --------------------------------------------------------------------------- building
 
 
+class _Seen:
+    """What the recording holds about one backend, gathered in one pass over
+    the requests (a day of traffic is millions of them)."""
+
+    def __init__(self) -> None:
+        self.attempts: list[Attempt] = []  # of requests not refused for their own sake
+        self.evidence: list[tuple[float, str, str]] = []  # theirs (`_evidence`), unsorted
+        self.starts: list[float] = []  # of every attempt that was sent
+        self.ends: list[float] = []
+        # Answers (status < 400): start, end, TTFT (-1: none), stream,
+        # refused for its own sake, tokens out.
+        self.answered: list[tuple[float, float, float, bool, bool, int]] = []
+        self.errors: list[float] = []  # seconds failures (not timeouts) took
+
+
+_NO_EVIDENCE_OF_CUT = ("invalid_output", "idle_timeout")
+_TIMEOUTS = ("first_byte_timeout", "connect_timeout")
+
+
+def _gather(requests: Sequence[Request], idle_s: float) -> dict[str, _Seen]:
+    seen = {name: _Seen() for name in BACKENDS}
+    for q in requests:
+        atts = q.attempts
+        if not atts:
+            continue
+        outcome, status = q.outcome, q.status
+        intrinsic = outcome == "rejected" or (
+            400 <= status < 500 and status != 429 and not outcome.startswith("shed")
+        )
+        for a in atts:
+            b, kind, a_status, fault, ttft, start, end = a
+            d = seen.get(b)
+            if d is None:
+                continue
+            if kind != "shed":
+                d.starts.append(start)
+                d.ends.append(end)
+            if kind == "answered" and a_status < 400:
+                d.answered.append(
+                    (start, end, -1.0 if ttft is None else ttft, q.stream, intrinsic, q.tokens_out)
+                )
+                if not intrinsic:
+                    d.attempts.append(a)
+                    # (`_evidence`, inline for the answers: all but a few)
+                    ev = d.evidence
+                    ev.append((start, OK, ""))
+                    if ttft is not None:
+                        ev.append((start + ttft, OK, ""))
+                continue
+            if kind == "failed" and fault not in _TIMEOUTS:
+                d.errors.append(end - start)
+            if not intrinsic:
+                d.attempts.append(a)
+                _attempt_evidence(d.evidence, a, idle_s)
+    return seen
+
+
 def build_world(trace: Trace, idle_s: float = 30.0) -> World:
     notes: list[str] = []
     out: dict[str, BackendWorld] = {}
     conds: dict[str, list[Cond]] = defaultdict(list)
     for c in trace.conds:
         conds[c.backend].append(c)
-    ordinary = [q for q in trace.requests if not q.intrinsic]
+    seen = _gather(trace.requests, idle_s)
+    tokens = statistics.median([q.tokens_out for q in trace.requests]) if trace.requests else 64
     for name in BACKENDS:
-        attempts = [a for q in ordinary for a in q.attempts if a.backend == name]
+        d = seen[name]
+        attempts = d.attempts
         probes = [p for p in trace.probes if p.backend == name]
         cuts: list[float] = []
         if conds[name]:
             segments = [Segment(c.t, c.state, c.fault, c.p, c.factor) for c in conds[name]]
         else:
-            segments = infer_segments(attempts, probes, idle_s)
+            ev = d.evidence
+            _probe_evidence(ev, probes)
+            ev.sort(key=_EV_T)
+            segments = _segments(ev)
             cuts = sorted(
-                a.end
-                for a in attempts
-                if a.kind == "ended" and a.fault not in ("invalid_output", "idle_timeout")
+                a.end for a in attempts if a.kind == "ended" and a.fault not in _NO_EVIDENCE_OF_CUT
             )
+        d.evidence = []
         gap = _probe_gap(probes)
-        survived = [(a.start, a.end) for a in attempts if a.kind == "answered" and a.status < 500]
         bw = BackendWorld(
             name,
             segments=segments,
             probes=probes,
             probe_gap=gap,
-            kills=_kills(segments, cuts, survived),
+            kills=_kills(segments, cuts, attempts),
         )
-        _fit(bw, trace, name, notes)
+        _fit(bw, trace, d, tokens, notes)
         out[name] = bw
     return World(out, notes)
 
@@ -409,9 +471,7 @@ def build_world(trace: Trace, idle_s: float = 30.0) -> World:
 KILL_NEAR_S = 1.0  # streams cut this near a `down` stretch's start died with it
 
 
-def _kills(
-    segments: list[Segment], cuts: list[float], survived: list[tuple[float, float]]
-) -> list[float]:
+def _kills(segments: list[Segment], cuts: list[float], attempts: list[Attempt]) -> list[float]:
     """When requests in flight died: each `down` stretch entered from a
     working state kills at the first stream cut from just before its start
     to its end (the cut is the fact; a refused probe can come earlier: a
@@ -420,6 +480,7 @@ def _kills(
     that start and finished (the server stopped taking requests but
     finished the ones it had: no kill)."""
     out: list[float] = []
+    survived: list[tuple[float, float]] | None = None  # answers (made when needed)
     prev = "up"
     for i, s in enumerate(segments):
         if s.state == "down" and prev not in ("down", "hung"):
@@ -430,8 +491,15 @@ def _kills(
             near = [c for c in cuts if s.start - KILL_NEAR_S <= c < end]
             if near:
                 out.append(near[0])
-            elif not any(a < s.start < b for a, b in survived):
-                out.append(s.start)
+            else:
+                if survived is None:
+                    survived = [
+                        (a.start, a.end)
+                        for a in attempts
+                        if a.kind == "answered" and a.status < 500
+                    ]
+                if not any(a < s.start < b for a, b in survived):
+                    out.append(s.start)
         prev = s.state
     return sorted(out)
 
@@ -443,43 +511,42 @@ def _probe_gap(probes: Sequence[Probe]) -> float:
     return 1.5 * statistics.median(gaps) if gaps else 0.0
 
 
-def _evidence(
-    attempts: Sequence[object], probes: Sequence[Probe], idle_s: float
-) -> list[tuple[float, str, str]]:
-    from proxy.replay.trace import Attempt
+_EV_T = itemgetter(0)
 
-    ev: list[tuple[float, str, str]] = []
-    for a in attempts:
-        assert isinstance(a, Attempt)
-        if a.kind == "answered":
-            if a.status >= 500:
-                ev.append((a.start, ERROR, f"http_{a.status}"))
-            else:
-                # It took the request and answered: up then. (Its end is no
-                # evidence for new requests: a server that stopped taking
-                # them may still finish the streams it has.)
-                ev.append((a.start, OK, ""))
-                if a.ttft is not None:
-                    ev.append((a.start + a.ttft, OK, ""))
-        elif a.kind == "failed":
-            f = a.fault
-            if f == "connect":
-                ev.append((a.start, REFUSED, f))
-            elif f in ("first_byte_timeout", "connect_timeout"):
-                ev.append((a.start, HANG, f))
-            elif f:
-                ev.append((a.start, ERROR, f))
-            # no fault: load (a 429, a 503 with Retry-After) — the backend works
-            else:
-                ev.append((a.start, OK, ""))
-        elif a.kind == "ended":
-            if a.fault == "idle_timeout":
-                ev.append((max(a.start, a.end - idle_s), HANG, a.fault))
-            elif a.fault != "invalid_output":
-                ev.append((a.start, OK, ""))
-                if a.ttft is not None:
-                    ev.append((a.start + a.ttft, OK, ""))
-                ev.append((a.end, CUT, a.fault))
+
+def _attempt_evidence(ev: list[tuple[float, str, str]], a: Attempt, idle_s: float) -> None:
+    if a.kind == "answered":
+        if a.status >= 500:
+            ev.append((a.start, ERROR, f"http_{a.status}"))
+        else:
+            # It took the request and answered: up then. (Its end is no
+            # evidence for new requests: a server that stopped taking
+            # them may still finish the streams it has.)
+            ev.append((a.start, OK, ""))
+            if a.ttft is not None:
+                ev.append((a.start + a.ttft, OK, ""))
+    elif a.kind == "failed":
+        f = a.fault
+        if f == "connect":
+            ev.append((a.start, REFUSED, f))
+        elif f in _TIMEOUTS:
+            ev.append((a.start, HANG, f))
+        elif f:
+            ev.append((a.start, ERROR, f))
+        # no fault: load (a 429, a 503 with Retry-After) — the backend works
+        else:
+            ev.append((a.start, OK, ""))
+    elif a.kind == "ended":
+        if a.fault == "idle_timeout":
+            ev.append((max(a.start, a.end - idle_s), HANG, a.fault))
+        elif a.fault != "invalid_output":
+            ev.append((a.start, OK, ""))
+            if a.ttft is not None:
+                ev.append((a.start + a.ttft, OK, ""))
+            ev.append((a.end, CUT, a.fault))
+
+
+def _probe_evidence(ev: list[tuple[float, str, str]], probes: Sequence[Probe]) -> None:
     for p in probes:
         if p.ok:
             ev.append((p.t, OK, ""))
@@ -488,7 +555,18 @@ def _evidence(
             ev.append((p.t, REFUSED if refused else ERROR, "connect" if refused else "http_503"))
         else:
             ev.append((p.t, HANG, "probe_timeout"))
-    ev.sort(key=lambda e: e[0])
+
+
+def _evidence(
+    attempts: Sequence[object], probes: Sequence[Probe], idle_s: float
+) -> list[tuple[float, str, str]]:
+    """Every piece of evidence, in time order."""
+    ev: list[tuple[float, str, str]] = []
+    for a in attempts:
+        assert isinstance(a, Attempt)
+        _attempt_evidence(ev, a, idle_s)
+    _probe_evidence(ev, probes)
+    ev.sort(key=_EV_T)
     return ev
 
 
@@ -496,40 +574,68 @@ def infer_segments(
     attempts: Sequence[object], probes: Sequence[Probe], idle_s: float = 30.0
 ) -> list[Segment]:
     """The condition timeline from the evidence (see the module text)."""
-    ev = _evidence(attempts, probes, idle_s)
-    sporadic: list[bool] = [False] * len(ev)
-    for i, (t, cls, _) in enumerate(ev):
-        if cls in (OK, CUT):
+    return _segments(_evidence(attempts, probes, idle_s))
+
+
+def _segments(ev: list[tuple[float, str, str]]) -> list[Segment]:
+    """`infer_segments` of the evidence in time order. Answers (`ok`) are
+    all but a few of it and change nothing while the backend is up: the
+    loops visit the rest, and each run of answers between two of them as
+    one (its first and last instants)."""
+    times = list(map(_EV_T, ev))
+    classes = list(map(_EV_CLS, ev))
+    # Positions of the evidence other than answers, in order.
+    rare = (
+        [] if classes.count(OK) == len(classes) else [i for i, c in enumerate(classes) if c != OK]
+    )
+    n = len(ev)
+    sporadic: set[int] = set()
+    for i in rare:
+        t, cls, _ = ev[i]
+        if cls != ERROR:
             continue
-        prev = next((ev[j] for j in range(i - 1, -1, -1) if ev[j][0] < t), None)
-        nxt = next((ev[j] for j in range(i + 1, len(ev)) if ev[j][0] > t), None)
+        # The evidence just before and just after (strictly earlier, later).
+        j = bisect.bisect_left(times, t) - 1
+        k = bisect.bisect_right(times, t)
         if (
-            prev is not None
-            and nxt is not None
-            and prev[1] == OK
-            and nxt[1] == OK
-            and nxt[0] - prev[0] <= SPORADIC_S
-            and cls == ERROR
+            j >= 0
+            and k < n
+            and classes[j] == OK
+            and classes[k] == OK
+            and times[k] - times[j] <= SPORADIC_S
         ):
-            sporadic[i] = True
+            sporadic.add(i)
     # The background error share per bin, from sporadic errors among answers.
     fails: dict[int, int] = defaultdict(int)
-    oks: dict[int, int] = defaultdict(int)
+    oks: dict[int, int] = {}
     fault_of: dict[int, str] = {}
-    for (t, cls, fault), sp in zip(ev, sporadic, strict=True):
-        b = int(t // ERROR_BIN_S)
-        if sp:
+    for i in rare:
+        if i in sporadic:
+            b = int(ev[i][0] // ERROR_BIN_S)
             fails[b] += 1
-            fault_of[b] = fault
-        elif cls == OK:
-            oks[b] += 1
+            fault_of[b] = ev[i][2]
+    for b in fails:
+        # The answers in [b, b + 1) bins: the evidence there less the rest.
+        lo = bisect.bisect_left(times, b * ERROR_BIN_S)
+        hi = bisect.bisect_left(times, (b + 1) * ERROR_BIN_S)
+        oks[b] = hi - lo - (bisect.bisect_left(rare, hi) - bisect.bisect_left(rare, lo))
     segs: list[Segment] = [Segment(-1e18, "up")]
     state = "up"
     fault = ""
     last = -math.inf  # the last evidence of the current state
-    for (t, cls, f), sp in zip(ev, sporadic, strict=True):
-        if sp:
+    nxt = 0  # the first position not yet taken
+    for i in [*rare, n]:
+        if nxt < i:
+            # Answers from nxt to i - 1: up from the first (if not up already).
+            if state != "up":
+                t = times[nxt]
+                segs.append(Segment(t if last == -math.inf else (last + t) / 2, "up", ""))
+                state, fault = "up", ""
+            last = times[i - 1]
+        nxt = i + 1
+        if i == n or i in sporadic:
             continue
+        t, cls, f = ev[i]
         new = _STATE[cls]
         new_fault = _FAULT.get(cls, "") if cls != ERROR else (f or "http_500")
         if cls == REFUSED:
@@ -549,63 +655,50 @@ def infer_segments(
             continue
         end = segs[i + 1].start if i + 1 < len(segs) else math.inf
         for b in sorted(fails):
-            lo = b * ERROR_BIN_S
-            if lo + ERROR_BIN_S <= s.start or lo >= end:
+            lo_t = b * ERROR_BIN_S
+            if lo_t + ERROR_BIN_S <= s.start or lo_t >= end:
                 continue
             p = fails[b] / (fails[b] + oks[b])
-            out.append(Segment(max(lo, s.start), "erroring", fault_of[b], p))
-            hi = lo + ERROR_BIN_S
-            if hi < end:
-                out.append(Segment(hi, "up"))
+            out.append(Segment(max(lo_t, s.start), "erroring", fault_of[b], p))
+            hi_t = lo_t + ERROR_BIN_S
+            if hi_t < end:
+                out.append(Segment(hi_t, "up"))
     return out
 
 
-def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
-    """The load model of one backend (see the module text). One pass over
-    the requests (a day of traffic is millions of them)."""
-    starts: list[float] = []
-    ends: list[float] = []
-    answered: list[tuple[float, float, float, bool, bool, int]] = []  # start, end, ttft, ...
-    errors: list[float] = []
-    for q in trace.requests:
-        for a in q.attempts:
-            if a.backend != name:
-                continue
-            kind = a.kind
-            if kind != "shed":
-                starts.append(a.start)
-                ends.append(a.end)
-            if kind == "answered" and a.status < 400:
-                ttft = a.ttft if a.ttft is not None else -1.0
-                answered.append((a.start, a.end, ttft, q.stream, q.intrinsic, q.tokens_out))
-            elif kind == "failed" and a.fault not in ("first_byte_timeout", "connect_timeout"):
-                errors.append(a.end - a.start)
-    # Requests in flight at this backend: +1 at each start, -1 at each end,
-    # in time order (an end before a start at the same instant). A stable
-    # sort of the instants, ends first, gives the order of the (t, ±1)
-    # pairs without building them (a day of traffic: millions).
-    marks = ends + starts
-    order = sorted(range(len(marks)), key=marks.__getitem__)
-    deltas = [-1] * len(ends) + [1] * len(starts)
-    n_t, n_v = bw._n_t, bw._n_v
-    n_t.extend(map(marks.__getitem__, order))
-    n_v.extend(itertools.accumulate(map(deltas.__getitem__, order)))
-    del marks, order, deltas
+_EV_CLS = itemgetter(1)
+
+
+def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[str]) -> None:
+    """The load model of one backend (see the module text), from what
+    `_gather` saw of it."""
+    name = bw.name
+    # Requests in flight at this backend: begun by t less ended by t.
+    bw._n_starts = sorted(d.starts)
+    bw._n_ends = sorted(d.ends)
+    d.starts = d.ends = []
+    n_s, n_e = bw._n_starts, bw._n_ends
     model = trace.models.get(name, {})
     bw.engine = list(trace.engine) if name == "primary" else []
     running = [e.running for e in bw.engine]
     answers: list[tuple[float, int, float, float]] = []  # start, n, ttft, tpot
     wholes: list[float] = []
-    for start, end, ttft, stream, intrinsic, tokens_out in answered:
-        whole = max(1e-4, end - start)
-        wholes.append(end - start)
+    keep, keep_whole = answers.append, wholes.append
+    right = bisect.bisect_right
+    for start, end, ttft, stream, intrinsic, tokens_out in d.answered:
+        x = end - start
+        keep_whole(x)
         if intrinsic:
             continue
+        whole = x if x > 1e-4 else 1e-4  # (max(1e-4, x), min(), max(): inline, the same)
         first = ttft if stream and ttft >= 0 else whole
-        first = min(first, whole)
-        tpot = (whole - first) / max(1, tokens_out) if stream else 0.0
-        k = n_v[bisect.bisect_right(n_t, start + 1e-6) - 1] if n_t else 1
-        answers.append((start, max(1, k), first, tpot))
+        if whole < first:
+            first = whole
+        tpot = (whole - first) / (tokens_out if tokens_out > 1 else 1) if stream else 0.0
+        at = start + 1e-6
+        k = right(n_s, at) - right(n_e, at)
+        keep((start, k if k > 1 else 1, first, tpot))
+    d.answered = []
     bw.observed = len(answers)
     seen_top = max((x[1] for x in answers), default=0)
     cap = model.get("capacity") or (max(running) if running and max(running) > 0 else 0.0)
@@ -623,7 +716,6 @@ def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
     )
     tp_all = [x[3] for x in answers if x[3] > 0]
     med_tpot = statistics.median(tp_all) if tp_all else model.get("tpot_s", DEFAULTS["tpot_s"])
-    tokens = statistics.median([q.tokens_out for q in trace.requests]) if trace.requests else 64
     mean_service = statistics.median(wholes) if wholes else med_ttft + tokens * med_tpot
     queue_slope = mean_service / bw.capacity
     bw.ttft = Curve(
@@ -636,12 +728,15 @@ def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
         bw.tpot = _model_curve(
             model.get("tpot_s", DEFAULTS["tpot_s"]), model.get("tpot_slope_s", 0.0), bw.capacity
         )
-    if errors:
-        bw.error_s = max(0.001, statistics.median(errors))
-    ttft_c, tpot_c = bw.ttft, bw.tpot
+    if d.errors:
+        bw.error_s = max(0.001, statistics.median(d.errors))
+    # The curves at every level seen (all of them: `k` is at most the top).
+    top = max(seen_top, 1)
+    ttft_at = [0.0, *map(bw.ttft, range(1, top + 1))]
+    tpot_at = [0.0, *map(bw.tpot, range(1, top + 1))]
     bw._res_t = [x[0] for x in answers]
-    bw._res_ttft = [ft - ttft_c(k) for _, k, ft, _ in answers]
-    bw._res_tpot = [tp - tpot_c(k) if tp > 0 else 0.0 for _, k, _, tp in answers]
+    bw._res_ttft = [ft - ttft_at[k] for _, k, ft, _ in answers]
+    bw._res_tpot = [tp - tpot_at[k] if tp > 0 else 0.0 for _, k, _, tp in answers]
     if bw.engine and len(bw.engine) > 3:
         xs = [e.running for e in bw.engine]
         ys = [e.kv for e in bw.engine]
