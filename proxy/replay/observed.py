@@ -80,24 +80,29 @@ class ObservedWaits:
         admitted: list[tuple[float, float]] = []  # waiters: (call, end), a heap by call
         queue_until = 0.0  # the last waiter so far is served (or gives up) then
         out: list[tuple[float, float, str]] = []
-        for q in trace.requests:
+        push, pop = heapq.heappush, heapq.heappop
+        limit_t, limit_v, limit0 = self._limit_t, self._limit_v, self._limit0
+        right = bisect.bisect_right
+        for q in trace.requests:  # (a day of traffic: locals, `limit` inline)
             t = q.t
-            a: Any = q.attempts[0] if q.attempts else None
+            atts = q.attempts
+            a: Any = atts[0] if atts else None
             while admitted and admitted[0][0] <= t:
-                heapq.heappush(held, heapq.heappop(admitted)[1])
+                push(held, pop(admitted)[1])
             while held and held[0] <= t:
-                heapq.heappop(held)
+                pop(held)
             called = a is not None and a.backend == "primary" and a.kind in _CALLED
             queued = q.outcome == "shed_queue_timeout"
             if not called and not queued:
                 continue
-            full = len(held) >= self.limit(t) or queue_until > t
+            i = right(limit_t, t) - 1
+            full = len(held) >= (limit_v[i] if i >= 0 else limit0) or queue_until > t
             if not full:
                 if called:
-                    heapq.heappush(held, a.end)
+                    push(held, a.end)
                 continue
             if called:
-                heapq.heappush(admitted, (a.start, a.end))
+                push(admitted, (a.start, a.end))
                 queue_until = max(queue_until, a.start)
                 out.append((a.start, max(0.0, a.start - t), q.client))
             else:

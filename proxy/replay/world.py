@@ -93,6 +93,9 @@ class Segment:
     factor: float = 1.0
 
 
+_new = tuple.__new__
+
+
 class Outcome(NamedTuple):
     """What one attempt does: `ok` (answered), `fail` (before the first
     byte), `cut` (mid-answer)."""
@@ -160,6 +163,9 @@ class BackendWorld:
     # ended by t).
     _n_starts: list[float] = field(default_factory=list)
     _n_ends: list[float] = field(default_factory=list)
+    # A recorded answer's (TTFT, whole time, requests in flight at its start)
+    # as `latency` takes them, by the request's id (the trace holds them all).
+    _recorded: dict[int, tuple[float, float, int]] = field(default_factory=dict)
     engine: list[EngineSample] = field(default_factory=list)
     kv_slope: float = 0.0
     # Instants requests in flight died: streams seen cut, else the start of a
@@ -256,33 +262,61 @@ class BackendWorld:
 
     def latency(self, q: Request, t: float, n: int) -> tuple[float, float]:
         """(seconds to the first byte, seconds of the whole answer) of `q` on
-        this backend at `t` with `n` in flight (counting `q`)."""
-        rec = cut = None
-        name = self.name
-        for a in q.attempts:  # (a loop, not a generator: this runs per attempt)
-            if a.backend == name:
-                if a.kind == "answered" and a.status < 400:
-                    rec = a
-                    break
-                if a.kind == "ended":
-                    cut = a
-        if rec is None and cut is not None:
-            # Cut mid-answer in the recording: it was still streaming when
-            # cut, so it lasts at least that long (and is cut again there).
-            ft, whole = self._modelled(q, t, n)
-            first = cut.ttft if cut.ttft is not None else ft
-            return first, max(whole, cut.end - cut.start + 1e-3)
-        if rec is not None:
-            n0 = max(1, self.recorded_n(rec.start + 1e-6))
-            whole = max(1e-4, rec.end - rec.start)
-            first = rec.ttft if q.stream and rec.ttft is not None else whole
-            first = min(first, whole)
-            # Its own latency, moved by what the load changes (additive: a
-            # queue adds waiting time; a ratio of small medians would explode).
-            ft = max(MIN_TTFT_S, first + self.ttft(n) - self.ttft(n0))
-            decode = max(0.0, whole - first + q.tokens_out * (self.tpot(n) - self.tpot(n0)))
+        this backend at `t` with `n` in flight (counting `q`).
+
+        Per attempt of a replay: builtin min/max and the curves' calls are
+        written out inline (the same expressions, in the same order)."""
+        pre = self._recorded.get(id(q))
+        if pre is not None:  # (the fit took them)
+            first, whole, n0 = pre
         else:
-            return self._modelled(q, t, n)
+            rec = cut = None
+            name = self.name
+            for a in q.attempts:
+                if a.backend == name:
+                    if a.kind == "answered" and a.status < 400:
+                        rec = a
+                        break
+                    if a.kind == "ended":
+                        cut = a
+            if rec is None:
+                if cut is not None:
+                    # Cut mid-answer in the recording: it was still streaming when
+                    # cut, so it lasts at least that long (and is cut again there).
+                    ft, whole = self._modelled(q, t, n)
+                    first = cut.ttft if cut.ttft is not None else ft
+                    return first, max(whole, cut.end - cut.start + 1e-3)
+                return self._modelled(q, t, n)
+            _, _, _, _, r_ttft, r_start, r_end = rec
+            at = r_start + 1e-6
+            n0 = bisect.bisect_right(self._n_starts, at) - bisect.bisect_right(self._n_ends, at)
+            if n0 < 1:  # max(1, recorded_n(...))
+                n0 = 1
+            whole = r_end - r_start
+            if not whole > 1e-4:  # max(1e-4, ...)
+                whole = 1e-4
+            first = r_ttft if q.stream and r_ttft is not None else whole
+            if whole < first:  # min(first, whole)
+                first = whole
+        # Its own latency, moved by what the load changes (additive: a
+        # queue adds waiting time; a ratio of small medians would explode).
+        c = self.ttft
+        v = c.values
+        top = len(v)
+        ft = first + (v[n - 1] if 0 < n <= top else c(n)) - (v[n0 - 1] if n0 <= top else c(n0))
+        if not ft > MIN_TTFT_S:  # max(MIN_TTFT_S, ...)
+            ft = MIN_TTFT_S
+        c = self.tpot
+        v = c.values
+        top = len(v)
+        decode = (
+            whole
+            - first
+            + q.tokens_out
+            * ((v[n - 1] if 0 < n <= top else c(n)) - (v[n0 - 1] if n0 <= top else c(n0)))
+        )
+        if not decode > 0.0:  # max(0.0, ...)
+            decode = 0.0
         return ft, ft + decode
 
     def _modelled(self, q: Request, t: float, n: int) -> tuple[float, float]:
@@ -311,7 +345,9 @@ class BackendWorld:
     ) -> Outcome:
         """What an attempt of `q` sent at `t` does (its whole course, decided
         now: later segments are known)."""
-        seg = self.segment(t)
+        starts = self._starts
+        i = bisect.bisect_right(starts, t)
+        seg = self.segments[i - 1]  # (`segment(t)`)
         if seg.state == "down":
             wait = CONNECT_FAIL_S if seg.fault == "connect" else self.error_s
             return Outcome(
@@ -325,6 +361,17 @@ class BackendWorld:
             return Outcome("fail", None, t + self.error_s, seg.fault or "http_500", 500)
         first_s, whole_s = self.latency(q, t, n)
         first, end = t + first_s, t + whole_s
+        if seg.state != "hung":
+            # The first turn of the loop below, inline: most attempts see no
+            # change of condition and no kill before their end.
+            kills = self.kills
+            k = bisect.bisect_right(kills, t)
+            if (i == len(starts) or starts[i] >= end) and (k == len(kills) or kills[k] >= end):
+                if first > t + first_byte_s:
+                    return _new(
+                        Outcome, ("fail", None, t + first_byte_s, "first_byte_timeout", 504)
+                    )
+                return _new(Outcome, ("ok", first, end, "", 200))
         clock = t
         if seg.state == "hung":  # nothing until the hang ends
             clock = self._hang_end(t)
@@ -383,9 +430,9 @@ class _Seen:
         self.evidence: list[tuple[float, str, str]] = []  # theirs (`_evidence`), unsorted
         self.starts: list[float] = []  # of every attempt that was sent
         self.ends: list[float] = []
-        # Answers (status < 400): start, end, TTFT (-1: none), stream,
-        # refused for its own sake, tokens out.
-        self.answered: list[tuple[float, float, float, bool, bool, int]] = []
+        # Answers (status < 400): start, end, TTFT, stream, refused for its
+        # own sake, tokens out, the request.
+        self.answered: list[tuple[float, float, float | None, bool, bool, int, Request]] = []
         self.errors: list[float] = []  # seconds failures (not timeouts) took
 
 
@@ -412,9 +459,7 @@ def _gather(requests: Sequence[Request], idle_s: float) -> dict[str, _Seen]:
                 d.starts.append(start)
                 d.ends.append(end)
             if kind == "answered" and a_status < 400:
-                d.answered.append(
-                    (start, end, -1.0 if ttft is None else ttft, q.stream, intrinsic, q.tokens_out)
-                )
+                d.answered.append((start, end, ttft, q.stream, intrinsic, q.tokens_out, q))
                 if not intrinsic:
                     d.attempts.append(a)
                     # (`_evidence`, inline for the answers: all but a few)
@@ -685,19 +730,28 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
     wholes: list[float] = []
     keep, keep_whole = answers.append, wholes.append
     right = bisect.bisect_right
-    for start, end, ttft, stream, intrinsic, tokens_out in d.answered:
+    recorded = bw._recorded
+    for start, end, ttft, stream, intrinsic, tokens_out, q in d.answered:
         x = end - start
         keep_whole(x)
         if intrinsic:
             continue
         whole = x if x > 1e-4 else 1e-4  # (max(1e-4, x), min(), max(): inline, the same)
-        first = ttft if stream and ttft >= 0 else whole
+        ft = -1.0 if ttft is None else ttft
+        first = ft if stream and ft >= 0 else whole
         if whole < first:
             first = whole
         tpot = (whole - first) / (tokens_out if tokens_out > 1 else 1) if stream else 0.0
         at = start + 1e-6
         k = right(n_s, at) - right(n_e, at)
-        keep((start, k if k > 1 else 1, first, tpot))
+        if k < 1:
+            k = 1
+        keep((start, k, first, tpot))
+        # What `latency` takes of the request's (first) answer here.
+        key = id(q)
+        if key not in recorded:
+            ft = ttft if stream and ttft is not None else whole
+            recorded[key] = (whole if whole < ft else ft, whole, k)
     d.answered = []
     bw.observed = len(answers)
     seen_top = max((x[1] for x in answers), default=0)
