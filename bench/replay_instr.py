@@ -19,6 +19,7 @@ the other work on a shared machine (wall-clock does): run it under
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import os
 import re
@@ -58,12 +59,16 @@ def phase(name: str, trace: str) -> None:
     assert run.requests == len(tr.requests)
     if name == "replay":
         os._exit(0)
-    # What both processes make of their runs: each run's figures, the
-    # baseline's fidelity, the recording's own figures (`run_replay`).
+    # What both processes make of their runs (`run_replay`): each run's
+    # figures, the recording's own, the baseline's fidelity (given the
+    # first two where the tree's `fidelity` takes them).
+    base = rep.summary(run)
     rep.summary(run)
-    rep.fidelity(tr, run)
-    rep.summary(run)
-    rep.observed(tr)
+    recorded = rep.observed(tr)
+    if "rec" in inspect.signature(rep.fidelity).parameters:
+        rep.fidelity(tr, run, recorded, base)
+    else:
+        rep.fidelity(tr, run)
     os._exit(0)
 
 
