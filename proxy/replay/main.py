@@ -122,7 +122,7 @@ def run_replay(
             "policy_hash": trace.policy_hash,
             "dropped_records": trace.gaps,
         },
-        "fidelity": rep.fidelity(trace, base_run) if is_recorded else None,
+        "fidelity": rep.fidelity(trace, base_run, side.recorded, b) if is_recorded else None,
         "baseline": b,
         "candidate": c,
         "recorded": side.recorded,

@@ -91,37 +91,42 @@ class ObservedWaits:
         waiting: dict[str, int] = {}  # requests waiting per client
         queue_until = 0.0  # the last waiter so far is served (or gives up) then
         out: list[tuple[float, float, bool]] = []
-        for q in trace.requests:
+        push, pop = heapq.heappush, heapq.heappop
+        limit_t, limit_v, limit0 = self._limit_t, self._limit_v, self._limit0
+        right = bisect.bisect_right
+        for q in trace.requests:  # (a day of traffic: locals, `limit` inline)
             t = q.t
-            a: Any = q.attempts[0] if q.attempts else None
+            atts = q.attempts
+            a: Any = atts[0] if atts else None
             while admitted and admitted[0][0] <= t:
-                _call, end, who = heapq.heappop(admitted)
+                _call, end, who = pop(admitted)
                 _add(waiting, who, -1)
-                heapq.heappush(held, (end, who))
+                push(held, (end, who))
                 _add(holds, who, 1)
             while held and held[0][0] <= t:
-                _add(holds, heapq.heappop(held)[1], -1)
+                _add(holds, pop(held)[1], -1)
             while gave_up and gave_up[0][0] <= t:
-                _add(waiting, heapq.heappop(gave_up)[1], -1)
+                _add(waiting, pop(gave_up)[1], -1)
             called = a is not None and a.backend == "primary" and a.kind in _CALLED
             queued = q.outcome == "shed_queue_timeout"
             if not called and not queued:
                 continue
             client = q.client
-            full = len(held) >= self.limit(t) or queue_until > t
+            i = right(limit_t, t) - 1
+            full = len(held) >= (limit_v[i] if i >= 0 else limit0) or queue_until > t
             if not full:
                 if called:
-                    heapq.heappush(held, (a.end, client))
+                    push(held, (a.end, client))
                     _add(holds, client, 1)
                 continue
             counts = self._counts(t, client, holds, waiting)
             _add(waiting, client, 1)
             if called:
-                heapq.heappush(admitted, (a.start, a.end, client))
+                push(admitted, (a.start, a.end, client))
                 queue_until = max(queue_until, a.start)
                 out.append((a.start, max(0.0, a.start - t), counts))
             else:
-                heapq.heappush(gave_up, (t + q.duration, client))
+                push(gave_up, (t + q.duration, client))
                 queue_until = max(queue_until, t + q.duration)
         out.sort()
         return out

@@ -52,12 +52,25 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def _p50_p95(xs: list[float]) -> tuple[float | None, float | None]:
+    """`percentile(xs, 0.5)`, `percentile(xs, 0.95)` from one sort."""
+    if not xs:
+        return None, None
+    s = sorted(xs)
+    n = len(s)
+    return (
+        s[min(n - 1, max(0, math.ceil(0.5 * n) - 1))],
+        s[min(n - 1, max(0, math.ceil(0.95 * n) - 1))],
+    )
+
+
 def _r(v: float | None, digits: int = 3) -> float | None:
     return None if v is None else round(v, digits)
 
 
 def summary(run: Run) -> dict[str, Any]:
     secs = tier_seconds(run.tiers, run.duration)
+    p50, p95 = _p50_p95(run.ttfts)
     return {
         "tier_seconds": {t: round(v, 2) for t, v in secs.items()},
         "transitions": len(run.transitions),
@@ -66,8 +79,8 @@ def summary(run: Run) -> dict[str, Any]:
         "shed": dict(run.shed),
         "failovers": run.failovers,
         "rescues": run.rescues,
-        "ttft_p50_s": _r(percentile(run.ttfts, 0.5)),
-        "ttft_p95_s": _r(percentile(run.ttfts, 0.95)),
+        "ttft_p50_s": _r(p50),
+        "ttft_p95_s": _r(p95),
         "requests": run.requests,
         "answered": dict(run.answered),
         "timeline": [
@@ -89,26 +102,32 @@ def observed(trace: Trace) -> dict[str, Any]:
     errors = maint = failovers = rescues = 0
     ttfts: list[float] = []
     answered = {"primary": 0, "fallback": 0}
-    for q in trace.requests:
-        if q.shed:
+    for q in trace.requests:  # (Request's properties inline: a day is millions)
+        outcome, status, backend = q.outcome, q.status, q.backend
+        if outcome.startswith("shed"):  # q.shed
             shed[q.priority] = shed.get(q.priority, 0) + 1
-        elif q.maintenance:
+        elif backend == "maintenance":  # q.maintenance
             maint += 1
-        elif q.intrinsic or q.client_gone:
+        elif (
+            outcome == "rejected"  # q.intrinsic (not shed)
+            or (400 <= status < 500 and status != 429)
+            or outcome == "client_disconnect"  # q.client_gone
+        ):
             continue
-        elif q.status >= 500 or q.outcome != "complete":
+        elif status >= 500 or outcome != "complete":
             errors += 1
         else:
             if q.rescued:
                 rescues += 1
-            elif q.backend == "fallback":
+            elif backend == "fallback":
                 failovers += 1
-            if q.backend in answered:
-                answered[q.backend] += 1
+            if backend in answered:
+                answered[backend] += 1
             if q.ttft is not None and q.stream:
                 ttfts.append(q.ttft)
     tiers = recorded_tiers(trace)
     secs = tier_seconds(tiers, trace.end)
+    p50, p95 = _p50_p95(ttfts)
     return {
         "tier_seconds": {t: round(v, 2) for t, v in secs.items()},
         "transitions": len(trace.tiers),
@@ -117,8 +136,8 @@ def observed(trace: Trace) -> dict[str, Any]:
         "shed": shed,
         "failovers": failovers,
         "rescues": rescues,
-        "ttft_p50_s": _r(percentile(ttfts, 0.5)),
-        "ttft_p95_s": _r(percentile(ttfts, 0.95)),
+        "ttft_p50_s": _r(p50),
+        "ttft_p95_s": _r(p95),
         "requests": len(trace.requests),
         "answered": answered,
         "timeline": [
@@ -165,9 +184,16 @@ def _close(a: float, b: float, rel: float, slack: float) -> bool:
     return abs(a - b) <= max(rel * max(abs(a), abs(b)), slack)
 
 
-def fidelity(trace: Trace, baseline: Run) -> dict[str, Any]:
-    rec = observed(trace)
-    rep = summary(baseline)
+def fidelity(
+    trace: Trace,
+    baseline: Run,
+    rec: dict[str, Any] | None = None,
+    rep: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`rec`, `rep`: `observed(trace)` and `summary(baseline)` where the
+    caller has them already."""
+    rec = observed(trace) if rec is None else rec
+    rep = summary(baseline) if rep is None else rep
     rec_tiers = recorded_tiers(trace)
     agree = agreement(rec_tiers, baseline.tiers, trace.end)
     reasons: list[str] = []

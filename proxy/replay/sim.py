@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +67,8 @@ class Backend:
         self.budget = RetryBudget()
         self.health = Health()
         self.probe_failures = pol.ladder.failover.probe_failures
+        self.first_byte_s = bp.timeouts.first_byte_s
+        self.idle_s = bp.timeouts.idle_s
         self.inflight = 0
         self.probing = False
 
@@ -182,6 +183,10 @@ class Sim:
                 self.backends[name] = Backend(name, bp, policy, self, world.backends[name])
         self.primary = self.backends["primary"]
         self.fallback = self.backends.get("fallback")
+        self._fo = lad.failover
+        self._throttle = lad.throttle
+        self._orders()
+        self._attempt_end = self.attempt_end  # (bound once: one per attempt otherwise)
         self._eval_soon = False
         self._next_of: dict[int, Request] = {}
         self._overlaps: dict[int, Request] = {}
@@ -233,28 +238,27 @@ class Sim:
         for t, tier in self.trace.forces:
             self.at(t, self.force, tier)
         reqs = self._sessions()
-        i, n = 0, len(reqs)
         heap = self._heap
         pop = heapq.heappop
-        while True:
-            ta = reqs[i].t if i < n else math.inf
-            te = heap[0][0] if heap else math.inf
-            if ta == math.inf and te == math.inf:
-                break
-            if ta <= te:
-                self.now = ta
-                self.arrive(reqs[i])
-                i += 1
-            else:
+        arrive = self.arrive
+        # The arrivals, each after the events due before it (at the same
+        # instant an arrival comes first)...
+        for q in reqs:
+            ta = q.t
+            while heap and heap[0][0] < ta:
                 t, _, fn, args = pop(heap)
-                if (
-                    t > end
-                    and i >= n
-                    and fn in (self.tick, self.health_probe, self.scrape, self.sample)
-                ):
-                    continue
                 self.now = t
                 fn(*args)
+            self.now = ta
+            arrive(q)
+        # ... then the events left (the loops' turns past the end dropped).
+        loops = (self.tick, self.health_probe, self.scrape, self.sample)
+        while heap:
+            t, _, fn, args = pop(heap)
+            if t > end and fn in loops:
+                continue
+            self.now = t
+            fn(*args)
         self.run.duration = self.trace.end
         return self.run
 
@@ -439,30 +443,42 @@ class Sim:
         return o.usable and o.agrees(self.now, self.ladder.tier, self.admission.limit)
 
     def route(self) -> tuple[Destination, list[Backend]]:
+        """Where a request goes and its candidates in order (lists shared by
+        the requests: never changed in place)."""
         dest = self.ladder.route()
         if dest == "maintenance":
             return dest, []
         p, f = self.primary, self.fallback
-        fo = self.policy.ladder.failover
         if dest == "primary" or f is None:
-            order = [p] if f is None else [p, f]
-        elif (
+            return dest, self._order_p
+        fo = self._fo
+        if (
             not fo.recovery_probe
             and p.breaker.state != "closed"
             and (p.breaker.state == "half-open" or self.now >= p.breaker.retry_at())
             and self.ladder.forced is None
         ):
-            order = [p, f]
-        else:
-            order = [f, p]
-        if not fo.on_connect_error:
-            order = order[:1]
-        return dest, order[: fo.max_attempts]
+            return dest, self._order_pf
+        return dest, self._order_fp
+
+    def _orders(self) -> None:
+        p, f = self.primary, self.fallback
+        fo = self._fo
+
+        def cut(order: list[Backend]) -> list[Backend]:
+            if not fo.on_connect_error:
+                order = order[:1]
+            return order[: fo.max_attempts]
+
+        self._order_p = cut([p] if f is None else [p, f])
+        self._order_pf = cut([p] if f is None else [p, f])
+        self._order_fp = cut([p] if f is None else [f, p])
 
     # -- a request ------------------------------------------------------------------
 
     def arrive(self, q: Request) -> None:
-        self.run.requests += 1
+        run = self.run
+        run.requests += 1
         if self._overlaps:
             self._overlap(q)
         dest, order = self.route()
@@ -470,12 +486,15 @@ class Sim:
             self.finish_maintenance(q)
             self._ended(q)
             return
-        if q.intrinsic:
-            self.run.intrinsic += 1  # the same refusal under any policy
+        outcome, status = q.outcome, q.status
+        if outcome == "rejected" or (  # `q.intrinsic`, inline
+            400 <= status < 500 and status != 429 and not outcome.startswith("shed")
+        ):
+            run.intrinsic += 1  # the same refusal under any policy
             self._ended(q)
             return
         f = Flight(q, order, self.now)
-        if q.client_gone:
+        if outcome == "client_disconnect":  # `q.client_gone`
             self.at(self.now + q.duration, self.client_left, f)
         self.next_candidate(f)
 
@@ -525,8 +544,9 @@ class Sim:
             self.at(self.now + (b.t - q.t), self.arrive, b)
 
     def next_candidate(self, f: Flight) -> None:
-        while f.idx < len(f.order):
-            b = f.order[f.idx]
+        order = f.order
+        while f.idx < len(order):
+            b = order[f.idx]
             permit = b.breaker.allow()
             if permit is None:
                 f.idx += 1
@@ -534,13 +554,14 @@ class Sim:
             f.permit, f.backend = permit, b
             if f.retries == 0:
                 f.started = self.now
-            throttle = self.policy.ladder.throttle
+            throttle = self._throttle
             if b is self.primary and throttle.enabled:
+                q = f.q
                 try:
-                    if not self.admission.admit(f.q.priority, f.q.client):  # type: ignore[arg-type]
+                    if not self.admission.admit(q.priority, q.client):  # type: ignore[arg-type]
                         f.waiter = self.admission.enqueue(
-                            f.q.priority,  # type: ignore[arg-type]
-                            f.q.client,
+                            q.priority,  # type: ignore[arg-type]
+                            q.client,
                             _Slot(self, f),
                         )
                         self.at(self.now + throttle.queue_timeout_s, self.queue_timeout, f)
@@ -596,18 +617,21 @@ class Sim:
         # The first attempt's first-byte deadline starts after admission; a
         # retry keeps the candidate's, from before its first admission
         # (`run_attempts`).
-        fb = b.policy.timeouts.first_byte_s
+        now = self.now
+        fb = b.first_byte_s
         if f.retries == 0:
-            f.deadline = self.now + fb
-            b.budget.request(self.now, self.policy.ladder.failover.retry_budget_window_s)
+            deadline = f.deadline = now + fb
+            b.budget.request(now, self._fo.retry_budget_window_s)
         else:
-            f.deadline = f.started + fb
+            deadline = f.deadline = f.started + fb
         b.inflight += 1
-        f.sent_at = self.now
-        t = b.policy.timeouts
-        first_byte = max(0.0, f.deadline - self.now)
-        out = b.world.call(f.q, self.now, b.inflight, first_byte, t.idle_s, self.rng)
-        self.at(out.end, self.attempt_end, f, b, out)
+        f.sent_at = now
+        first_byte = deadline - now
+        if first_byte < 0.0:  # (max(0.0, ...), inline)
+            first_byte = 0.0
+        out = b.world.call(f.q, now, b.inflight, first_byte, b.idle_s, self.rng)
+        self._seq += 1  # (`at`, inline)
+        heapq.heappush(self._heap, (out.end, self._seq, self._attempt_end, (f, b, out)))
 
     def _release(self, f: Flight, b: Backend) -> None:
         b.inflight -= 1
@@ -616,23 +640,40 @@ class Sim:
             self.admission.release(f.q.client)
 
     def attempt_end(self, f: Flight, b: Backend, out: Outcome) -> None:
-        self._release(f, b)
+        b.inflight -= 1  # (`_release`, inline)
+        if f.slot:
+            f.slot = False
+            self.admission.release(f.q.client)
         permit = f.permit
         assert permit is not None
         if f.done:  # the client left: no outcome
             b.breaker.release_trial(permit)
             return
         if out.kind == "ok":
-            assert out.first is not None
-            ttft = out.first - f.sent_at
-            fo = self.policy.ladder.failover
-            if f.q.stream and b is self.primary:
+            first = out.first
+            assert first is not None
+            ttft = first - f.sent_at
+            fo = self._fo
+            q = f.q
+            stream = q.stream
+            if stream and b is self.primary:
                 self.pressure.record_ttft(ttft)
-            if f.q.stream and fo.ttft_limit_s and ttft > fo.ttft_limit_s:
+            if stream and fo.ttft_limit_s and ttft > fo.ttft_limit_s:
                 self.failure(b, permit, "slow_ttft")
             else:
                 b.breaker.record_success(permit)
-            self.answer(f, b, out.first)
+            # `answer`, inline: done, the session's next, the counts, the TTFT.
+            f.done = True
+            if self._next_of:
+                self._ended(q)
+            run = self.run
+            name = b.name
+            run.answered[name] = run.answered.get(name, 0) + 1
+            if b is self.fallback:
+                run.failovers += 1
+            if stream:  # a non-streaming answer's first byte is its last
+                run.ttfts.append(first - f.arrived + q.overhead)
+                run.ttft_t.append(f.arrived)
             return
         if out.kind == "cut":
             self.failure(b, permit, out.fault)

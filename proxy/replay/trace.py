@@ -12,14 +12,18 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import math
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import eq, itemgetter, not_
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import orjson
 import yaml
 
 from proxy.policy import Policy, parse_policy
-from proxy.telemetry.recording import Reader, read_trace
+from proxy.telemetry.recording import Reader, segments
 
 BACKENDS = ("primary", "fallback")
 STALL_FACTOR = 1.8  # a gap between two once-a-second samples this long is a stall
@@ -172,35 +176,76 @@ class Trace:
         gc.disable()
         try:
             reader = Reader()
-            recs = read_trace(path, reader)
-            tr = cls.from_records(recs, source=str(path))
+            files = segments(path) if path.is_dir() else [path]
+            recs: list[Any] = []
+            for f in files:
+                recs.extend(_parsed(reader, f))
+            tr = cls._build(recs, str(path), in_order=False)
             del recs
         finally:
             if enabled:
                 gc.enable()
         if freeze:
             gc.freeze()
-        tr.skipped, tr.truncated = reader.skipped, reader.truncated
+        tr.skipped += reader.skipped  # (lines not JSON; the rest: records it could not read)
+        tr.truncated = reader.truncated
         return tr
 
     @classmethod
     def from_records(cls, recs: list[dict[str, Any]], source: str = "") -> Trace:
-        times = [r["t"] for r in recs if r.get("k") not in ("seg",)]
-        if not times:
+        """A trace of records taken in the order given (`load` reads a file's
+        in time order)."""
+        return cls._build(recs, source, in_order=True)
+
+    @classmethod
+    def _build(cls, recs: list[Any], source: str, in_order: bool) -> Trace:
+        """`recs`: parsed lines, any of them not a record (not an object with
+        a numeric `t`: skipped, unless `in_order`, whose records are trusted).
+        Request records (all but a few) are converted in one tight loop; the
+        others, taken in time order (`in_order`: as given), by `_add`. A
+        request's conversion depends on no other record: the result is the
+        one of taking every record in time order."""
+        bad = 0
+        try:
+            ts: list[Any] = list(map(_get, recs, repeat("t")))  # (not an object: TypeError)
+            ok = in_order or set(map(type, ts)) <= _NUMBERS
+        except TypeError:
+            ok = False
+        if not ok:  # lines that are not records (rare): skipped
+            valid = [r for r in recs if type(r) is dict and type(r.get("t")) in _NUMBERS]
+            bad = len(recs) - len(valid)
+            recs = valid
+            ts = list(map(_get, recs, repeat("t")))
+        ks = list(map(_get, recs, repeat("k")))
+        is_req = list(map(eq, ks, repeat("req")))
+        reqs = list(compress(recs, is_req))
+        others = list(compress(recs, map(not_, is_req)))
+        if "seg" in ks:
+            ts = [t for t, k in zip(ts, ks, strict=True) if k != "seg"]
+        del ks, is_req
+        if not ts:
             raise ValueError(f"{source or 'trace'}: no records")
-        t0 = min(times)
-        tr = cls(start=t0, end=max(times) - t0, source=source)
-        for r in recs:
+        # (The first of equal values, as of records in time order: an int
+        # and a float can be equal.)
+        lo, hi = min(ts), max(ts)
+        del ts
+        t0 = lo
+        tr = cls(start=t0, end=hi - t0, source=source, skipped=bad)
+        tr.requests, tr.calls, end, failed = _requests(reqs, t0)
+        tr.skipped += len(failed)
+        del reqs
+        if not in_order:
+            others.sort(key=_T)
+        for r in others:
             k = r.get("k")
             t = float(r["t"]) - t0
             try:
                 _add(tr, k, t, r)
             except (KeyError, TypeError, ValueError):
                 tr.skipped += 1
-        tr.requests.sort(key=lambda q: q.t)
         tr.ticks.sort()
         if tr.requests:
-            tr.end = max(tr.end, max(q.t + q.duration for q in tr.requests))
+            tr.end = max(tr.end, end)
         first_sample = next((s for s in tr.samples), None)
         first_tier = tr.tiers[0] if tr.tiers else None
         if first_tier is not None and (first_sample is None or first_tier[0] <= first_sample["t"]):
@@ -210,8 +255,145 @@ class Trace:
         return tr
 
 
+_NUMBERS = {int, float, bool}  # `isinstance(t, int | float)` of what orjson makes
+_get = dict.get
+_T = itemgetter("t")
+_Q_T = itemgetter(0)  # a Request's `t`
+
+
+def _parsed(reader: Reader, path: Path) -> list[Any]:
+    """The parsed lines of one file (`Reader.records` without its checks,
+    which `Trace._build` makes): a chunk of lines at a time, line by line
+    only in a chunk with a line that is not JSON."""
+    out: list[Any] = []
+    loads = orjson.loads
+    for lines in reader.raw_chunks(path):
+        try:
+            out += list(map(loads, lines))
+        except orjson.JSONDecodeError:
+            for ln in lines:
+                try:
+                    out.append(loads(ln))
+                except orjson.JSONDecodeError:
+                    reader.skipped += 1
+    return out
+
+
+_REQ = itemgetter(
+    "t",
+    "att",
+    "pri",
+    "st",
+    "ep",
+    "cl",
+    "pt",
+    "n",
+    "mt",
+    "be",
+    "s",
+    "o",
+    "ttft",
+    "d",
+    "rt",
+    "res",
+    "sid",
+)
+_new = tuple.__new__
+
+
+def _requests(
+    recs: list[dict[str, Any]], t0: float
+) -> tuple[list[Request], bool, float, list[dict[str, Any]]]:
+    """The request records as `Request`s, sorted by arrival; whether their
+    attempts carry the backend call's instant; the latest recorded end; the
+    records that are not requests (skipped).
+
+    Hot (a day of traffic is millions): one loop, no call per record for
+    what the flight recorder always writes (every key, one attempt); any
+    other record goes through `_request`, the reference, and a fast
+    conversion that would differ from it raises instead and goes there too."""
+    out: list[Request] = []
+    add = out.append
+    failed: list[dict[str, Any]] = []
+    calls = False
+    end = -math.inf
+    new = _new
+    req, att_t = Request, Attempt
+    fields = _REQ
+    for r in recs:
+        try:
+            t, att, pri, st, ep, cl, pt, n, mt, be, s, o, ttft, d, rt, res, sid = fields(r)
+            t = float(t) - t0
+            if len(att) != 1:
+                raise _Slow
+            a0 = att[0]
+            if type(a0) is not list:
+                raise _Slow
+            b, kind, a_s, fault, a_ttft, a_end, call = a0
+            if a_end is None:
+                a_end = 0.0
+            start = t + (0.0 if call is None else call)
+            a = new(att_t, (b, kind, a_s, fault or "", a_ttft, start, t + a_end))
+            overhead = 0.0
+            if kind == "answered" and a_ttft is not None and ttft is not None:
+                x = ttft - (start - t) - a_ttft
+                x = x if x < 5.0 else 5.0
+                overhead = x if x > 0.0 else 0.0
+            if not (isinstance(n, int) and n > 0):
+                n = mt if isinstance(mt, int) else 64
+            if not isinstance(s, int):
+                raise _Slow
+            scale = r.get("scale")
+            d = float(d or 0.0)
+            add(
+                new(
+                    req,
+                    (
+                        t,
+                        pri,
+                        st is True,
+                        ep,
+                        cl or "",
+                        pt or 1,
+                        n,
+                        (a,),
+                        be,
+                        s,
+                        o,
+                        ttft,
+                        d,
+                        res is True,
+                        rt or 0,
+                        1.0 if scale is None else float(scale or 1.0),
+                        sid or "",
+                        overhead,
+                    ),
+                )
+            )
+            calls = True
+            x = t + d
+        except Exception:  # the reference decides (or skips)
+            try:
+                q = _request(float(r["t"]) - t0, r)
+            except (KeyError, TypeError, ValueError):
+                failed.append(r)
+                continue
+            if not calls and q.attempts and len(r["att"][0]) > 6:
+                calls = True
+            add(q)
+            x = q.t + q.duration
+        if x > end:
+            end = x
+    out.sort(key=_Q_T)
+    return out, calls, end, failed
+
+
+class _Slow(Exception):
+    """A request record the fast conversion leaves to `_request`."""
+
+
 def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
-    if k == "req":  # most records first
+    if k == "req":  # (`_requests` takes them all at once)
         q = _request(t, r)
         tr.requests.append(q)
         if not tr.calls and q.attempts and len(r["att"][0]) > 6:

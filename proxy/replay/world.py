@@ -75,9 +75,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple
 
-from proxy.replay.trace import BACKENDS, Cond, EngineSample, Probe, Request, Trace
+from proxy.replay.trace import BACKENDS, Attempt, Cond, EngineSample, Probe, Request, Trace
 
 SPORADIC_S = 2.0
 ERROR_BIN_S = 10.0
@@ -101,6 +102,9 @@ class Segment:
     fault: str = ""
     p: float = 0.0
     factor: float = 1.0
+
+
+_new = tuple.__new__
 
 
 class Outcome(NamedTuple):
@@ -165,9 +169,14 @@ class BackendWorld:
     _res_t: list[float] = field(default_factory=list)
     _res_ttft: list[float] = field(default_factory=list)
     _res_tpot: list[float] = field(default_factory=list)
-    # Recorded concurrency at this backend (a step function).
-    _n_t: list[float] = field(default_factory=list)
-    _n_v: list[int] = field(default_factory=list)
+    # Recorded concurrency at this backend: the instants its attempts began
+    # and ended, each sorted (in flight at t: those begun by t less those
+    # ended by t).
+    _n_starts: list[float] = field(default_factory=list)
+    _n_ends: list[float] = field(default_factory=list)
+    # A recorded answer's (TTFT, whole time, requests in flight at its start)
+    # as `latency` takes them, by the request's id (the trace holds them all).
+    _recorded: dict[int, tuple[float, float, int]] = field(default_factory=dict)
     engine: list[EngineSample] = field(default_factory=list)
     kv_slope: float = 0.0
     # Instants requests in flight died: streams seen cut, else the start of a
@@ -230,20 +239,25 @@ class BackendWorld:
     # -- load -----------------------------------------------------------------------
 
     def recorded_n(self, t: float) -> int:
-        i = bisect.bisect_right(self._n_t, t) - 1
-        return self._n_v[i] if i >= 0 else 0
+        return bisect.bisect_right(self._n_starts, t) - bisect.bisect_right(self._n_ends, t)
 
     def recorded_range(self, a: float, b: float) -> tuple[int, int]:
         """The fewest and the most requests the recording had in flight at
-        this backend from `a` to `b`."""
-        n_t, n_v = self._n_t, self._n_v
-        i = bisect.bisect_right(n_t, a) - 1
-        j = bisect.bisect_right(n_t, b)
-        # (Several changes at one instant: only the last one held.)
-        seen = [n_v[k] for k in range(max(0, i), j) if k + 1 == j or n_t[k + 1] != n_t[k]]
-        if i < 0:
-            seen.append(0)
-        return min(seen), max(seen)
+        this backend from `a` to `b` (the count at `a`, then after each
+        instant something began or ended; several at one instant: the count
+        once all of them are done)."""
+        st, en = self._n_starts, self._n_ends
+        right = bisect.bisect_right
+        lo = hi = self.recorded_n(a)
+        instants = set(st[right(st, a) : right(st, b)])
+        instants.update(en[right(en, a) : right(en, b)])
+        for t in instants:
+            n = right(st, t) - right(en, t)
+            if n < lo:
+                lo = n
+            elif n > hi:
+                hi = n
+        return lo, hi
 
     def residual(self, t: float) -> tuple[float, float]:
         """(TTFT, time per token) of the nearest recorded answer less the curves'."""
@@ -284,33 +298,61 @@ class BackendWorld:
 
     def latency(self, q: Request, t: float, n: int) -> tuple[float, float]:
         """(seconds to the first byte, seconds of the whole answer) of `q` on
-        this backend at `t` with `n` in flight (counting `q`)."""
-        rec = cut = None
-        name = self.name
-        for a in q.attempts:  # (a loop, not a generator: this runs per attempt)
-            if a.backend == name:
-                if a.kind == "answered" and a.status < 400:
-                    rec = a
-                    break
-                if a.kind == "ended":
-                    cut = a
-        if rec is None and cut is not None:
-            # Cut mid-answer in the recording: it was still streaming when
-            # cut, so it lasts at least that long (and is cut again there).
-            ft, whole = self._modelled(q, t, n)
-            first = cut.ttft if cut.ttft is not None else ft
-            return first, max(whole, cut.end - cut.start + 1e-3)
-        if rec is not None:
-            n0 = max(1, self.recorded_n(rec.start + 1e-6))
-            whole = max(1e-4, rec.end - rec.start)
-            first = rec.ttft if q.stream and rec.ttft is not None else whole
-            first = min(first, whole)
-            # Its own latency, moved by what the load changes (additive: a
-            # queue adds waiting time; a ratio of small medians would explode).
-            ft = max(MIN_TTFT_S, first + self.ttft(n) - self.ttft(n0))
-            decode = max(0.0, whole - first + q.tokens_out * (self.tpot(n) - self.tpot(n0)))
+        this backend at `t` with `n` in flight (counting `q`).
+
+        Per attempt of a replay: builtin min/max and the curves' calls are
+        written out inline (the same expressions, in the same order)."""
+        pre = self._recorded.get(id(q))
+        if pre is not None:  # (the fit took them)
+            first, whole, n0 = pre
         else:
-            return self._modelled(q, t, n)
+            rec = cut = None
+            name = self.name
+            for a in q.attempts:
+                if a.backend == name:
+                    if a.kind == "answered" and a.status < 400:
+                        rec = a
+                        break
+                    if a.kind == "ended":
+                        cut = a
+            if rec is None:
+                if cut is not None:
+                    # Cut mid-answer in the recording: it was still streaming when
+                    # cut, so it lasts at least that long (and is cut again there).
+                    ft, whole = self._modelled(q, t, n)
+                    first = cut.ttft if cut.ttft is not None else ft
+                    return first, max(whole, cut.end - cut.start + 1e-3)
+                return self._modelled(q, t, n)
+            _, _, _, _, r_ttft, r_start, r_end = rec
+            at = r_start + 1e-6
+            n0 = bisect.bisect_right(self._n_starts, at) - bisect.bisect_right(self._n_ends, at)
+            if n0 < 1:  # max(1, recorded_n(...))
+                n0 = 1
+            whole = r_end - r_start
+            if not whole > 1e-4:  # max(1e-4, ...)
+                whole = 1e-4
+            first = r_ttft if q.stream and r_ttft is not None else whole
+            if whole < first:  # min(first, whole)
+                first = whole
+        # Its own latency, moved by what the load changes (additive: a
+        # queue adds waiting time; a ratio of small medians would explode).
+        c = self.ttft
+        v = c.values
+        top = len(v)
+        ft = first + (v[n - 1] if 0 < n <= top else c(n)) - (v[n0 - 1] if n0 <= top else c(n0))
+        if not ft > MIN_TTFT_S:  # max(MIN_TTFT_S, ...)
+            ft = MIN_TTFT_S
+        c = self.tpot
+        v = c.values
+        top = len(v)
+        decode = (
+            whole
+            - first
+            + q.tokens_out
+            * ((v[n - 1] if 0 < n <= top else c(n)) - (v[n0 - 1] if n0 <= top else c(n0)))
+        )
+        if not decode > 0.0:  # max(0.0, ...)
+            decode = 0.0
         return ft, ft + decode
 
     def _modelled(self, q: Request, t: float, n: int) -> tuple[float, float]:
@@ -339,7 +381,9 @@ class BackendWorld:
     ) -> Outcome:
         """What an attempt of `q` sent at `t` does (its whole course, decided
         now: later segments are known)."""
-        seg = self.segment(t)
+        starts = self._starts
+        i = bisect.bisect_right(starts, t)
+        seg = self.segments[i - 1]  # (`segment(t)`)
         if seg.state == "down":
             wait = CONNECT_FAIL_S if seg.fault == "connect" else self.error_s
             return Outcome(
@@ -353,6 +397,17 @@ class BackendWorld:
             return Outcome("fail", None, t + self.error_s, seg.fault or "http_500", 500)
         first_s, whole_s = self.latency(q, t, n)
         first, end = t + first_s, t + whole_s
+        if seg.state != "hung":
+            # The first turn of the loop below, inline: most attempts see no
+            # change of condition and no kill before their end.
+            kills = self.kills
+            k = bisect.bisect_right(kills, t)
+            if (i == len(starts) or starts[i] >= end) and (k == len(kills) or kills[k] >= end):
+                if first > t + first_byte_s:
+                    return _new(
+                        Outcome, ("fail", None, t + first_byte_s, "first_byte_timeout", 504)
+                    )
+                return _new(Outcome, ("ok", first, end, "", 200))
         clock = t
         if seg.state == "hung":  # nothing until the hang ends
             clock = self._hang_end(t)
@@ -402,36 +457,94 @@ class World:
 # --------------------------------------------------------------------------- building
 
 
+class _Seen:
+    """What the recording holds about one backend, gathered in one pass over
+    the requests (a day of traffic is millions of them)."""
+
+    def __init__(self) -> None:
+        self.attempts: list[Attempt] = []  # of requests not refused for their own sake
+        self.evidence: list[tuple[float, str, str]] = []  # theirs (`_evidence`), unsorted
+        self.starts: list[float] = []  # of every attempt that was sent
+        self.ends: list[float] = []
+        # Answers (status < 400): start, end, TTFT, stream, refused for its
+        # own sake, tokens out, the request.
+        self.answered: list[tuple[float, float, float | None, bool, bool, int, Request]] = []
+        self.errors: list[float] = []  # seconds failures (not timeouts) took
+
+
+_NO_EVIDENCE_OF_CUT = ("invalid_output", "idle_timeout")
+_TIMEOUTS = ("first_byte_timeout", "connect_timeout")
+
+
+def _gather(requests: Sequence[Request], idle_s: float) -> dict[str, _Seen]:
+    seen = {name: _Seen() for name in BACKENDS}
+    for q in requests:
+        atts = q.attempts
+        if not atts:
+            continue
+        outcome, status = q.outcome, q.status
+        intrinsic = outcome == "rejected" or (
+            400 <= status < 500 and status != 429 and not outcome.startswith("shed")
+        )
+        for a in atts:
+            b, kind, a_status, fault, ttft, start, end = a
+            d = seen.get(b)
+            if d is None:
+                continue
+            if kind != "shed":
+                d.starts.append(start)
+                d.ends.append(end)
+            if kind == "answered" and a_status < 400:
+                d.answered.append((start, end, ttft, q.stream, intrinsic, q.tokens_out, q))
+                if not intrinsic:
+                    d.attempts.append(a)
+                    # (`_evidence`, inline for the answers: all but a few)
+                    ev = d.evidence
+                    ev.append((start, OK, ""))
+                    if ttft is not None:
+                        ev.append((start + ttft, OK, ""))
+                continue
+            if kind == "failed" and fault not in _TIMEOUTS:
+                d.errors.append(end - start)
+            if not intrinsic:
+                d.attempts.append(a)
+                _attempt_evidence(d.evidence, a, idle_s)
+    return seen
+
+
 def build_world(trace: Trace, idle_s: float = 30.0) -> World:
     notes: list[str] = []
     out: dict[str, BackendWorld] = {}
     conds: dict[str, list[Cond]] = defaultdict(list)
     for c in trace.conds:
         conds[c.backend].append(c)
-    ordinary = [q for q in trace.requests if not q.intrinsic]
+    seen = _gather(trace.requests, idle_s)
+    tokens = statistics.median([q.tokens_out for q in trace.requests]) if trace.requests else 64
     for name in BACKENDS:
-        attempts = [a for q in ordinary for a in q.attempts if a.backend == name]
+        d = seen[name]
+        attempts = d.attempts
         probes = [p for p in trace.probes if p.backend == name]
         cuts: list[float] = []
         if conds[name]:
             segments = [Segment(c.t, c.state, c.fault, c.p, c.factor) for c in conds[name]]
         else:
-            segments = infer_segments(attempts, probes, idle_s)
+            ev = d.evidence
+            _probe_evidence(ev, probes)
+            ev.sort(key=_EV_T)
+            segments = _segments(ev)
             cuts = sorted(
-                a.end
-                for a in attempts
-                if a.kind == "ended" and a.fault not in ("invalid_output", "idle_timeout")
+                a.end for a in attempts if a.kind == "ended" and a.fault not in _NO_EVIDENCE_OF_CUT
             )
+        d.evidence = []
         gap = _probe_gap(probes)
-        survived = [(a.start, a.end) for a in attempts if a.kind == "answered" and a.status < 500]
         bw = BackendWorld(
             name,
             segments=segments,
             probes=probes,
             probe_gap=gap,
-            kills=_kills(segments, cuts, survived),
+            kills=_kills(segments, cuts, attempts),
         )
-        _fit(bw, trace, name, notes)
+        _fit(bw, trace, d, tokens, notes)
         out[name] = bw
     return World(out, notes)
 
@@ -439,9 +552,7 @@ def build_world(trace: Trace, idle_s: float = 30.0) -> World:
 KILL_NEAR_S = 1.0  # streams cut this near a `down` stretch's start died with it
 
 
-def _kills(
-    segments: list[Segment], cuts: list[float], survived: list[tuple[float, float]]
-) -> list[float]:
+def _kills(segments: list[Segment], cuts: list[float], attempts: list[Attempt]) -> list[float]:
     """When requests in flight died: each `down` stretch entered from a
     working state kills at the first stream cut from just before its start
     to its end (the cut is the fact; a refused probe can come earlier: a
@@ -450,6 +561,7 @@ def _kills(
     that start and finished (the server stopped taking requests but
     finished the ones it had: no kill)."""
     out: list[float] = []
+    survived: list[tuple[float, float]] | None = None  # answers (made when needed)
     prev = "up"
     for i, s in enumerate(segments):
         if s.state == "down" and prev not in ("down", "hung"):
@@ -460,8 +572,15 @@ def _kills(
             near = [c for c in cuts if s.start - KILL_NEAR_S <= c < end]
             if near:
                 out.append(near[0])
-            elif not any(a < s.start < b for a, b in survived):
-                out.append(s.start)
+            else:
+                if survived is None:
+                    survived = [
+                        (a.start, a.end)
+                        for a in attempts
+                        if a.kind == "answered" and a.status < 500
+                    ]
+                if not any(a < s.start < b for a, b in survived):
+                    out.append(s.start)
         prev = s.state
     return sorted(out)
 
@@ -473,43 +592,42 @@ def _probe_gap(probes: Sequence[Probe]) -> float:
     return 1.5 * statistics.median(gaps) if gaps else 0.0
 
 
-def _evidence(
-    attempts: Sequence[object], probes: Sequence[Probe], idle_s: float
-) -> list[tuple[float, str, str]]:
-    from proxy.replay.trace import Attempt
+_EV_T = itemgetter(0)
 
-    ev: list[tuple[float, str, str]] = []
-    for a in attempts:
-        assert isinstance(a, Attempt)
-        if a.kind == "answered":
-            if a.status >= 500:
-                ev.append((a.start, ERROR, f"http_{a.status}"))
-            else:
-                # It took the request and answered: up then. (Its end is no
-                # evidence for new requests: a server that stopped taking
-                # them may still finish the streams it has.)
-                ev.append((a.start, OK, ""))
-                if a.ttft is not None:
-                    ev.append((a.start + a.ttft, OK, ""))
-        elif a.kind == "failed":
-            f = a.fault
-            if f == "connect":
-                ev.append((a.start, REFUSED, f))
-            elif f in ("first_byte_timeout", "connect_timeout"):
-                ev.append((a.start, HANG, f))
-            elif f:
-                ev.append((a.start, ERROR, f))
-            # no fault: load (a 429, a 503 with Retry-After) — the backend works
-            else:
-                ev.append((a.start, OK, ""))
-        elif a.kind == "ended":
-            if a.fault == "idle_timeout":
-                ev.append((max(a.start, a.end - idle_s), HANG, a.fault))
-            elif a.fault != "invalid_output":
-                ev.append((a.start, OK, ""))
-                if a.ttft is not None:
-                    ev.append((a.start + a.ttft, OK, ""))
-                ev.append((a.end, CUT, a.fault))
+
+def _attempt_evidence(ev: list[tuple[float, str, str]], a: Attempt, idle_s: float) -> None:
+    if a.kind == "answered":
+        if a.status >= 500:
+            ev.append((a.start, ERROR, f"http_{a.status}"))
+        else:
+            # It took the request and answered: up then. (Its end is no
+            # evidence for new requests: a server that stopped taking
+            # them may still finish the streams it has.)
+            ev.append((a.start, OK, ""))
+            if a.ttft is not None:
+                ev.append((a.start + a.ttft, OK, ""))
+    elif a.kind == "failed":
+        f = a.fault
+        if f == "connect":
+            ev.append((a.start, REFUSED, f))
+        elif f in _TIMEOUTS:
+            ev.append((a.start, HANG, f))
+        elif f:
+            ev.append((a.start, ERROR, f))
+        # no fault: load (a 429, a 503 with Retry-After) — the backend works
+        else:
+            ev.append((a.start, OK, ""))
+    elif a.kind == "ended":
+        if a.fault == "idle_timeout":
+            ev.append((max(a.start, a.end - idle_s), HANG, a.fault))
+        elif a.fault != "invalid_output":
+            ev.append((a.start, OK, ""))
+            if a.ttft is not None:
+                ev.append((a.start + a.ttft, OK, ""))
+            ev.append((a.end, CUT, a.fault))
+
+
+def _probe_evidence(ev: list[tuple[float, str, str]], probes: Sequence[Probe]) -> None:
     for p in probes:
         if p.ok:
             ev.append((p.t, OK, ""))
@@ -518,7 +636,18 @@ def _evidence(
             ev.append((p.t, REFUSED if refused else ERROR, "connect" if refused else "http_503"))
         else:
             ev.append((p.t, HANG, "probe_timeout"))
-    ev.sort(key=lambda e: e[0])
+
+
+def _evidence(
+    attempts: Sequence[object], probes: Sequence[Probe], idle_s: float
+) -> list[tuple[float, str, str]]:
+    """Every piece of evidence, in time order."""
+    ev: list[tuple[float, str, str]] = []
+    for a in attempts:
+        assert isinstance(a, Attempt)
+        _attempt_evidence(ev, a, idle_s)
+    _probe_evidence(ev, probes)
+    ev.sort(key=_EV_T)
     return ev
 
 
@@ -526,40 +655,68 @@ def infer_segments(
     attempts: Sequence[object], probes: Sequence[Probe], idle_s: float = 30.0
 ) -> list[Segment]:
     """The condition timeline from the evidence (see the module text)."""
-    ev = _evidence(attempts, probes, idle_s)
-    sporadic: list[bool] = [False] * len(ev)
-    for i, (t, cls, _) in enumerate(ev):
-        if cls in (OK, CUT):
+    return _segments(_evidence(attempts, probes, idle_s))
+
+
+def _segments(ev: list[tuple[float, str, str]]) -> list[Segment]:
+    """`infer_segments` of the evidence in time order. Answers (`ok`) are
+    all but a few of it and change nothing while the backend is up: the
+    loops visit the rest, and each run of answers between two of them as
+    one (its first and last instants)."""
+    times = list(map(_EV_T, ev))
+    classes = list(map(_EV_CLS, ev))
+    # Positions of the evidence other than answers, in order.
+    rare = (
+        [] if classes.count(OK) == len(classes) else [i for i, c in enumerate(classes) if c != OK]
+    )
+    n = len(ev)
+    sporadic: set[int] = set()
+    for i in rare:
+        t, cls, _ = ev[i]
+        if cls != ERROR:
             continue
-        prev = next((ev[j] for j in range(i - 1, -1, -1) if ev[j][0] < t), None)
-        nxt = next((ev[j] for j in range(i + 1, len(ev)) if ev[j][0] > t), None)
+        # The evidence just before and just after (strictly earlier, later).
+        j = bisect.bisect_left(times, t) - 1
+        k = bisect.bisect_right(times, t)
         if (
-            prev is not None
-            and nxt is not None
-            and prev[1] == OK
-            and nxt[1] == OK
-            and nxt[0] - prev[0] <= SPORADIC_S
-            and cls == ERROR
+            j >= 0
+            and k < n
+            and classes[j] == OK
+            and classes[k] == OK
+            and times[k] - times[j] <= SPORADIC_S
         ):
-            sporadic[i] = True
+            sporadic.add(i)
     # The background error share per bin, from sporadic errors among answers.
     fails: dict[int, int] = defaultdict(int)
-    oks: dict[int, int] = defaultdict(int)
+    oks: dict[int, int] = {}
     fault_of: dict[int, str] = {}
-    for (t, cls, fault), sp in zip(ev, sporadic, strict=True):
-        b = int(t // ERROR_BIN_S)
-        if sp:
+    for i in rare:
+        if i in sporadic:
+            b = int(ev[i][0] // ERROR_BIN_S)
             fails[b] += 1
-            fault_of[b] = fault
-        elif cls == OK:
-            oks[b] += 1
+            fault_of[b] = ev[i][2]
+    for b in fails:
+        # The answers in [b, b + 1) bins: the evidence there less the rest.
+        lo = bisect.bisect_left(times, b * ERROR_BIN_S)
+        hi = bisect.bisect_left(times, (b + 1) * ERROR_BIN_S)
+        oks[b] = hi - lo - (bisect.bisect_left(rare, hi) - bisect.bisect_left(rare, lo))
     segs: list[Segment] = [Segment(-1e18, "up")]
     state = "up"
     fault = ""
     last = -math.inf  # the last evidence of the current state
-    for (t, cls, f), sp in zip(ev, sporadic, strict=True):
-        if sp:
+    nxt = 0  # the first position not yet taken
+    for i in [*rare, n]:
+        if nxt < i:
+            # Answers from nxt to i - 1: up from the first (if not up already).
+            if state != "up":
+                t = times[nxt]
+                segs.append(Segment(t if last == -math.inf else (last + t) / 2, "up", ""))
+                state, fault = "up", ""
+            last = times[i - 1]
+        nxt = i + 1
+        if i == n or i in sporadic:
             continue
+        t, cls, f = ev[i]
         new = _STATE[cls]
         new_fault = _FAULT.get(cls, "") if cls != ERROR else (f or "http_500")
         if cls == REFUSED:
@@ -579,63 +736,59 @@ def infer_segments(
             continue
         end = segs[i + 1].start if i + 1 < len(segs) else math.inf
         for b in sorted(fails):
-            lo = b * ERROR_BIN_S
-            if lo + ERROR_BIN_S <= s.start or lo >= end:
+            lo_t = b * ERROR_BIN_S
+            if lo_t + ERROR_BIN_S <= s.start or lo_t >= end:
                 continue
             p = fails[b] / (fails[b] + oks[b])
-            out.append(Segment(max(lo, s.start), "erroring", fault_of[b], p))
-            hi = lo + ERROR_BIN_S
-            if hi < end:
-                out.append(Segment(hi, "up"))
+            out.append(Segment(max(lo_t, s.start), "erroring", fault_of[b], p))
+            hi_t = lo_t + ERROR_BIN_S
+            if hi_t < end:
+                out.append(Segment(hi_t, "up"))
     return out
 
 
-def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
-    """The load model of one backend (see the module text). One pass over
-    the requests (a day of traffic is millions of them)."""
-    starts: list[float] = []
-    ends: list[float] = []
-    answered: list[tuple[float, float, float, bool, bool, int]] = []  # start, end, ttft, ...
-    errors: list[float] = []
-    for q in trace.requests:
-        for a in q.attempts:
-            if a.backend != name:
-                continue
-            kind = a.kind
-            if kind != "shed":
-                starts.append(a.start)
-                ends.append(a.end)
-            if kind == "answered" and a.status < 400:
-                ttft = a.ttft if a.ttft is not None else -1.0
-                answered.append((a.start, a.end, ttft, q.stream, q.intrinsic, q.tokens_out))
-            elif kind == "failed" and a.fault not in ("first_byte_timeout", "connect_timeout"):
-                errors.append(a.end - a.start)
-    # Requests in flight at this backend: +1 at each start, -1 at each end,
-    # in time order (an end before a start at the same instant). A stable
-    # sort of the instants, ends first, gives the order of the (t, ±1)
-    # pairs without building them (a day of traffic: millions).
-    marks = ends + starts
-    order = sorted(range(len(marks)), key=marks.__getitem__)
-    deltas = [-1] * len(ends) + [1] * len(starts)
-    n_t, n_v = bw._n_t, bw._n_v
-    n_t.extend(map(marks.__getitem__, order))
-    n_v.extend(itertools.accumulate(map(deltas.__getitem__, order)))
-    del marks, order, deltas
+_EV_CLS = itemgetter(1)
+
+
+def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[str]) -> None:
+    """The load model of one backend (see the module text), from what
+    `_gather` saw of it."""
+    name = bw.name
+    # Requests in flight at this backend: begun by t less ended by t.
+    bw._n_starts = sorted(d.starts)
+    bw._n_ends = sorted(d.ends)
+    d.starts = d.ends = []
+    n_s, n_e = bw._n_starts, bw._n_ends
     model = trace.models.get(name, {})
     bw.engine = list(trace.engine) if name == "primary" else []
     running = [e.running for e in bw.engine]
     answers: list[tuple[float, int, float, float]] = []  # start, n, ttft, tpot
     wholes: list[float] = []
-    for start, end, ttft, stream, intrinsic, tokens_out in answered:
-        whole = max(1e-4, end - start)
-        wholes.append(end - start)
+    keep, keep_whole = answers.append, wholes.append
+    right = bisect.bisect_right
+    recorded = bw._recorded
+    for start, end, ttft, stream, intrinsic, tokens_out, q in d.answered:
+        x = end - start
+        keep_whole(x)
         if intrinsic:
             continue
-        first = ttft if stream and ttft >= 0 else whole
-        first = min(first, whole)
-        tpot = (whole - first) / max(1, tokens_out) if stream else 0.0
-        k = n_v[bisect.bisect_right(n_t, start + 1e-6) - 1] if n_t else 1
-        answers.append((start, max(1, k), first, tpot))
+        whole = x if x > 1e-4 else 1e-4  # (max(1e-4, x), min(), max(): inline, the same)
+        ft = -1.0 if ttft is None else ttft
+        first = ft if stream and ft >= 0 else whole
+        if whole < first:
+            first = whole
+        tpot = (whole - first) / (tokens_out if tokens_out > 1 else 1) if stream else 0.0
+        at = start + 1e-6
+        k = right(n_s, at) - right(n_e, at)
+        if k < 1:
+            k = 1
+        keep((start, k, first, tpot))
+        # What `latency` takes of the request's (first) answer here.
+        key = id(q)
+        if key not in recorded:
+            ft = ttft if stream and ttft is not None else whole
+            recorded[key] = (whole if whole < ft else ft, whole, k)
+    d.answered = []
     bw.observed = len(answers)
     seen_top = max((x[1] for x in answers), default=0)
     cap = model.get("capacity") or (max(running) if running and max(running) > 0 else 0.0)
@@ -653,7 +806,6 @@ def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
     )
     tp_all = [x[3] for x in answers if x[3] > 0]
     med_tpot = statistics.median(tp_all) if tp_all else model.get("tpot_s", DEFAULTS["tpot_s"])
-    tokens = statistics.median([q.tokens_out for q in trace.requests]) if trace.requests else 64
     mean_service = statistics.median(wholes) if wholes else med_ttft + tokens * med_tpot
     queue_slope = mean_service / bw.capacity
     bw.ttft = Curve(
@@ -666,12 +818,15 @@ def _fit(bw: BackendWorld, trace: Trace, name: str, notes: list[str]) -> None:
         bw.tpot = _model_curve(
             model.get("tpot_s", DEFAULTS["tpot_s"]), model.get("tpot_slope_s", 0.0), bw.capacity
         )
-    if errors:
-        bw.error_s = max(0.001, statistics.median(errors))
-    ttft_c, tpot_c = bw.ttft, bw.tpot
+    if d.errors:
+        bw.error_s = max(0.001, statistics.median(d.errors))
+    # The curves at every level seen (all of them: `k` is at most the top).
+    top = max(seen_top, 1)
+    ttft_at = [0.0, *map(bw.ttft, range(1, top + 1))]
+    tpot_at = [0.0, *map(bw.tpot, range(1, top + 1))]
     bw._res_t = [x[0] for x in answers]
-    bw._res_ttft = [ft - ttft_c(k) for _, k, ft, _ in answers]
-    bw._res_tpot = [tp - tpot_c(k) if tp > 0 else 0.0 for _, k, _, tp in answers]
+    bw._res_ttft = [ft - ttft_at[k] for _, k, ft, _ in answers]
+    bw._res_tpot = [tp - tpot_at[k] if tp > 0 else 0.0 for _, k, _, tp in answers]
     if bw.engine and len(bw.engine) > 3:
         xs = [e.running for e in bw.engine]
         ys = [e.kv for e in bw.engine]

@@ -98,9 +98,15 @@ class Reader:
     def raw_lines(self, path: Path) -> Iterator[bytes]:
         """Whole lines of a segment, member by member; a member cut short
         yields its whole lines and ends the segment."""
+        for lines in self.raw_chunks(path):
+            yield from lines
+
+    def raw_chunks(self, path: Path) -> Iterator[list[bytes]]:
+        """`raw_lines`, a list of them at a time (a chunk of the file): a
+        reader of millions of lines need not resume a generator for each."""
         if path.suffix != ".gz":
             with path.open("rb") as f:
-                yield from (ln for ln in f.read().splitlines() if ln)
+                yield [ln for ln in f.read().splitlines() if ln]
             return
         try:
             f = path.open("rb")
@@ -123,7 +129,7 @@ class Reader:
                     if out:
                         lines = (tail + out).split(b"\n")
                         tail = lines.pop()
-                        yield from (ln for ln in lines if ln)
+                        yield lines if all(lines) else [ln for ln in lines if ln]
                     if d.eof:
                         data = d.unused_data
                         d = zlib.decompressobj(31)

@@ -1,0 +1,128 @@
+"""`Trace.load` reads a recording as the reference reading does: every
+record in time order (`read_trace`), each request through `_request`. The
+fast path (the flight recorder's own records, converted in one loop) must
+give the same requests, in the same order, for any file — old attempts
+without the call instant, retries, missing keys, lines that are not JSON or
+not records, times that tie, segments out of order."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from proxy.replay.trace import Trace, _request
+from proxy.telemetry.recording import Reader, read_trace
+
+T = 1_767_225_600.0
+
+
+def _member(lines: list[bytes]) -> bytes:
+    c = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return c.compress(b"\n".join(lines) + b"\n") + c.flush()
+
+
+def _req(t: float, **over: Any) -> bytes:
+    rec: dict[str, Any] = {
+        "k": "req",
+        "t": T + t,
+        "ep": "chat",
+        "pri": "normal",
+        "st": True,
+        "sid": None,
+        "cl": "c1",
+        "pt": 100,
+        "mt": 512,
+        "att": [["primary", "answered", 200, None, 0.1, 0.5, 0.001]],
+        "be": "primary",
+        "s": 200,
+        "o": "complete",
+        "ttft": 0.11,
+        "d": 0.52,
+        "n": 20,
+        "rt": 0,
+        "res": False,
+        "tier": "normal",
+    }
+    rec.update(over)
+    return orjson.dumps(rec)
+
+
+def _recording(d: Path) -> None:
+    d.mkdir()
+    first = [
+        orjson.dumps({"k": "seg", "t": T - 5, "v": 1, "pid": 1}),
+        orjson.dumps({"k": "policy", "t": T + 0.5, "hash": "h", "knobs": {}}),
+        _req(3.0),
+        _req(
+            1.0,
+            att=[
+                ["primary", "failed", 502, "connect", None, 0.01, 0.0],
+                ["fallback", "answered", 200, None, 0.2, 0.9, 0.02],
+            ],
+            rt=1,
+        ),
+        _req(2.0, att=[["primary", "answered", 200, None, 0.1, 0.5]]),  # no call instant
+        _req(2.1, att=[["primary", "answered", 200, None, 0.1, None, None]], ttft=9.0),
+        _req(2.2, att=[["primary", "answered", 200, None, 0.1, 0.5, 0.2]], ttft=0.0),
+        _req(2.5, att=[{"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6, "g": 7}]),
+        _req(2.6, att=None, o="shed_queue_timeout", s=429, be="none"),
+        _req(2.7, s="200"),  # not a status: not readable
+        _req(2.8, n=True, mt=None, cl=None, pt=None, d=-0.0, sid="s1", res=True),
+        _req(2.9, n=0, mt="x", ttft=None, scale=2.5),
+        b"not json",
+        b"[1, 2]",
+        orjson.dumps({"k": "tick"}),
+        orjson.dumps({"k": "tick", "t": T + 1}),
+        orjson.dumps(
+            {"k": "probe", "t": T + 1.5, "b": "primary", "ok": True, "def": False, "err": None}
+        ),
+        orjson.dumps({"k": "sample", "t": T + 1.2, "tier": "normal"}),
+    ]
+    late = [_req(0.2 + i / 100, sid="s1" if i % 2 else None) for i in range(20)]
+    second = [_req(4.0 + i / 10) for i in range(30)] + [
+        orjson.dumps({"k": "tier", "t": T + 4.5, "from": "normal", "to": "failover", "why": "x"}),
+        _req(4.0, pri="critical"),  # ties with the first of the segment
+        _req(4.0, ep="completions", st=False),
+        {"k": "sample", "t": int(T) + 4, "tier": "normal"}.__repr__().encode(),  # not JSON
+        orjson.dumps({"k": "limit", "t": int(T) + 4, "to": 8}),  # an int time
+    ]
+    (d / "rec-1767225600-1-00000.jsonl.gz").write_bytes(_member(first) + _member(late))
+    # The second segment ends in a member cut short by a crash.
+    (d / "rec-1767225604-1-00001.jsonl.gz").write_bytes(
+        _member(second) + _member(second)[:-30]
+    )
+
+
+def test_a_recording_loads_as_the_reference_reading_gives_it(tmp_path: Path) -> None:
+    d = tmp_path / "rec"
+    _recording(d)
+    tr = Trace.load(d)
+
+    reader = Reader()
+    recs = read_trace(d, reader)  # every record, in time order
+    times = [r["t"] for r in recs if r.get("k") != "seg"]
+    t0 = min(times)
+    want = []
+    unreadable = 0
+    for r in recs:
+        if r.get("k") != "req":
+            continue
+        try:
+            want.append(_request(float(r["t"]) - t0, r))
+        except (KeyError, TypeError, ValueError):
+            unreadable += 1
+    want.sort(key=lambda q: q.t)
+
+    assert tr.start == t0
+    assert repr(tr.requests) == repr(want)  # (floats by their repr: -0.0, ints)
+    assert tr.calls
+    assert tr.end == max(max(times) - t0, max(q.t + q.duration for q in want))
+    assert unreadable == 2  # the dict attempt, the string status
+    assert tr.skipped == reader.skipped + unreadable == 4 + 2  # 2 not JSON, 2 not records
+    assert tr.truncated == 1
+    assert [p.t for p in tr.probes] == [T + 1.5 - t0]
+    assert tr.ticks == [T + 1 - t0]
+    assert [t for t, _ in tr.limits] == [float(int(T) + 4) - t0]
