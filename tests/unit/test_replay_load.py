@@ -91,9 +91,7 @@ def _recording(d: Path) -> None:
     ]
     (d / "rec-1767225600-1-00000.jsonl.gz").write_bytes(_member(first) + _member(late))
     # The second segment ends in a member cut short by a crash.
-    (d / "rec-1767225604-1-00001.jsonl.gz").write_bytes(
-        _member(second) + _member(second)[:-30]
-    )
+    (d / "rec-1767225604-1-00001.jsonl.gz").write_bytes(_member(second) + _member(second)[:-30])
 
 
 def test_a_recording_loads_as_the_reference_reading_gives_it(tmp_path: Path) -> None:
