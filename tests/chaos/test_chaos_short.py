@@ -101,4 +101,12 @@ async def test_bad_canary_rolls_back_and_no_client_sees_an_error(chaos_stack: St
     c = result.canary
     assert c.state == "rolled_back" and c.rolled_back_step == 1
     assert c.rollback_s is not None and c.rollback_s <= 60
-    assert c.saw_error == 0 and sum(c.candidate_failed.values()) > 0
+    assert c.saw_error == 0
+    # The candidate's failures reached the load (each retried or rescued), or
+    # its breaker opened on them first (a stream it left silent, its recovery
+    # probes' 500s) and the health gate rolled back before any of the load's
+    # requests failed there: seen once in CI on a loaded machine, rollback
+    # 0.8 s after the fault, nobody saw an error.
+    assert sum(c.candidate_failed.values()) > 0 or (
+        c.failed_gate == "health" and "breaker open" in c.gate_detail
+    ), (c.failed_gate, c.gate_detail)
