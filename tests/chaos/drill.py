@@ -313,6 +313,13 @@ class ProxyProc:
 UPSTREAM_LINE = "server 127.0.0.1:8080;"
 LISTEN_LINE = "listen 80;"
 EXEMPT_BLOCK = "geo $brownout_limit_exempt {\n    default 0;\n"
+# The load's workers' own addresses when they stand for end users (Load(own_addresses=True)).
+LOAD_NET = "127.0.1.0/24"
+
+
+def worker_address(sid: str) -> str:
+    """A load worker's own loopback address in LOAD_NET, from its session id's index."""
+    return f"127.0.1.{int(sid.rsplit('-', 1)[1]) % 250 + 1}"
 
 
 class NginxProc:
@@ -322,6 +329,9 @@ class NginxProc:
     one address, so 127.0.0.1 goes on the site's own exemption list
     (`geo $brownout_limit_exempt`): the per-address rate limits are meant
     for end users, and the drills measure Brownout's shedding, not nginx's.
+    So does LOAD_NET, where the load's workers stand for end users of their
+    own (drill 8: one hostile user among many, not one user against the
+    frontend that serves all the others — fair share splits by client).
     """
 
     def __init__(self, prefix: Path, upstream_port: int) -> None:
@@ -343,7 +353,7 @@ class NginxProc:
                 raise RuntimeError(f"{site_path} no longer contains {line!r}")
         site = site.replace(UPSTREAM_LINE, f"server 127.0.0.1:{self.upstream_port};")
         site = site.replace(LISTEN_LINE, f"listen 127.0.0.1:{self.port};")
-        site = site.replace(EXEMPT_BLOCK, EXEMPT_BLOCK + "    127.0.0.1 1;\n")
+        site = site.replace(EXEMPT_BLOCK, EXEMPT_BLOCK + f"    127.0.0.1 1;\n    {LOAD_NET} 1;\n")
         (self.prefix / "site.conf").write_text(site)
         conf = self.prefix / "nginx.conf"
         p = self.prefix
@@ -709,9 +719,13 @@ class Load:
         max_tokens: int = 48,
         think_s: float = 0.2,
         deadline_s: float = 90.0,
+        own_addresses: bool = False,
     ) -> None:
         self.base_url = base_url
         self.run_id = run_id or uuid.uuid4().hex[:8]
+        # Each worker an end user with its own loopback address (LOAD_NET),
+        # not one frontend: drill 8 measures one hostile user among many.
+        self.own_addresses = own_addresses
         self.max_tokens = max_tokens
         self.think_s = think_s
         self.deadline_s = deadline_s
@@ -775,10 +789,31 @@ class Load:
         await asyncio.gather(*g.tasks)
 
     async def _worker(self, sid: str, group: str, stop: asyncio.Event, think: float) -> None:
+        async with contextlib.AsyncExitStack() as own:
+            http = self._http
+            if self.own_addresses:
+                http = await own.enter_async_context(
+                    aiohttp.ClientSession(
+                        connector=aiohttp.TCPConnector(
+                            limit=0, local_addr=(worker_address(sid), 0)
+                        ),
+                        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                    )
+                )
+            await self._ask_loop(sid, group, stop, think, http)
+
+    async def _ask_loop(
+        self,
+        sid: str,
+        group: str,
+        stop: asyncio.Event,
+        think: float,
+        http: aiohttp.ClientSession | None,
+    ) -> None:
         n = 0
         while not stop.is_set():
             n += 1
-            rec = await self.one(sid, group, n)
+            rec = await self.one(sid, group, n, http)
             self.records.append(rec)
             # Like the OpenAI SDKs: a refusal's Retry-After is honoured.
             pause = max(think, min(rec.retry_after or 0.0, self.max_retry_after_s))
@@ -796,8 +831,11 @@ class Load:
                     await self._more_early.wait()
         return self.early
 
-    async def one(self, sid: str, group: str, n: int) -> Req:
-        assert self._http is not None, "use `async with Load(...)`"
+    async def one(
+        self, sid: str, group: str, n: int, http: aiohttp.ClientSession | None = None
+    ) -> Req:
+        http = http or self._http
+        assert http is not None, "use `async with Load(...)`"
         rec = Req(group=group, session=sid, n=n, started=time.time())
         body = {
             "model": "tiny",
@@ -812,7 +850,7 @@ class Load:
         try:
             async with (
                 asyncio.timeout(self.deadline_s),
-                self._http.post(
+                http.post(
                     self.base_url + "/v1/chat/completions", json=body, headers=headers
                 ) as resp,
             ):

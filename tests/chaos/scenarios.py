@@ -491,7 +491,10 @@ async def drill_broken_reload(ctx: DrillContext) -> None:
 
 async def drill_hostile(ctx: DrillContext) -> None:
     """8. A hostile client (its own address) sends poison sampling values, hostile
-    schemas, long non-streaming answers and bursts of them while the load runs."""
+    schemas, long non-streaming answers and bursts of them while the load runs
+    (its workers end users with addresses of their own: one hostile user among
+    many; as one frontend address the load would get only half the slots by
+    fair share, and a slow CI machine shed it — CI, 2026-12-02)."""
     d, stack = ctx.d, ctx.stack
     good = stack.policy_text()
     fb = d.hostile_first_byte_s
@@ -676,6 +679,8 @@ class DrillSpec:
     expect: Callable[[DrillResult], list[str]]
     # The load's run id (its sessions' ids): drill 9 needs sessions on both arms.
     run_id: Callable[[Durations], str] | None = None
+    # The load's workers as end users with their own addresses (Load.own_addresses).
+    own_addresses: bool = False
 
 
 def _reached(r: DrillResult, tier: str) -> bool:
@@ -786,7 +791,8 @@ DRILLS: dict[str, DrillSpec] = {
         DrillSpec(7, "broken_reload", "A broken policy pushed by reload mid-load",
                   drill_broken_reload, _expect_reload),
         DrillSpec(8, "hostile", "A hostile client: poison parameters, hostile schemas, "
-                  "long non-stream answers", drill_hostile, _expect_hostile),
+                  "long non-stream answers", drill_hostile, _expect_hostile,
+                  own_addresses=True),
         DrillSpec(9, "bad_canary", "A bad canary: the candidate runs out of memory at the "
                   "second rollout step", drill_bad_canary, _expect_canary,
                   run_id=lambda d: pick_run_id(d.workers)),
@@ -990,6 +996,7 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
             max_tokens=d.max_tokens,
             think_s=d.think_s,
             deadline_s=d.deadline_s,
+            own_addresses=spec.own_addresses,
         ) as load,
     ):
         ctx = DrillContext(stack, load, tl, d, http)
