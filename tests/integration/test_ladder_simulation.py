@@ -644,7 +644,19 @@ class ProxySimulation(RuleBasedStateMachine):
         while rt.inflight or rt.admission.inflight or rt.admission.queued:
             assert loop.time() < limit, (rt.inflight, rt.admission.snapshot())
             await asyncio.sleep(0.005)
+        # A corroboration probe the load set off judges its failures before
+        # the schedule moves on: its charges belong to the backend's mode now.
+        while probing := self._corroborating():
+            assert loop.time() < limit, f"corroboration probes hang: {probing}"
+            await asyncio.sleep(0.002)
         await self._blame()
+
+    def _corroborating(self) -> list[str]:
+        return [
+            name
+            for name, up in self.rt.upstreams.items()
+            if any(led.probing for led in up.judge.ledgers.values())
+        ]
 
     # -- per-request checks ----------------------------------------------------------------
 
@@ -803,6 +815,30 @@ def test_replay_a_maintenance_trial_refused_for_its_fields() -> None:
     try:
         sim.storm_outage(primary="down", fallback="healthy", logprobs=True)
         sim.forced_tier_holds()
+        sim.counters_idle()
+    finally:
+        sim.teardown()
+
+
+def test_replay_a_corroboration_probe_judging_after_the_schedule_moved_on() -> None:
+    """The schedule hypothesis found (2026-12-04): the primary cuts streams,
+    a corroboration probe goes out for them and is still out when the
+    schedule makes the primary healthy; its failure then charged the cut
+    streams to a backend the checker already saw healthy. The charges were
+    right (the streams were cut while it was broken): the checker now waits
+    for corroboration probes before the schedule moves on, and the primary's
+    breaker is open by then, on the probe's verdict."""
+    sim = ProxySimulation()
+    sim.start(recovery_probe=False)
+    try:
+        sim.advance(windows=1)
+        sim.cut_mid_answer(rejects_prefill=False, session=True)
+        sim.release()
+        sim.cut_mid_answer(rejects_prefill=True, session=False)
+        assert sim._corroborating() == []
+        sim.set_mode(mode="healthy", name="primary", retry_after="0")
+        sim.set_mode(mode="slow", name="fallback", retry_after="1")
+        sim.hostile(n=11, stream=False, with_load=False)
         sim.counters_idle()
     finally:
         sim.teardown()
