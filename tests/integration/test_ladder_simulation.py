@@ -29,7 +29,8 @@ What a client notices, checked after every request and every step:
 - every answer is complete (a stream ends with `data: [DONE]` after a
   `finish_reason`, or with an explicit error event; a JSON answer has
   choices) or an OpenAI error object: 429 with Retry-After, 503 with
-  Retry-After or naming the fields, 400 naming its param — never a plain-text
+  Retry-After or naming the fields, 400 naming its param, 502
+  `request_failed_everywhere` only while both backends flap — never a plain-text
   500, never a silently truncated stream, never a hang past the client's
   bound;
 - no fault other than host timing is ever charged to a healthy backend
@@ -689,6 +690,14 @@ class ProxySimulation(RuleBasedStateMachine):
                 assert "Retry-After" in h, where
             elif r.status == 400 and err.get("code") == "context_length_exceeded":
                 assert r.ask.long and err.get("param") == "messages", where
+            elif r.status == 502 and err.get("code") == "request_failed_everywhere":
+                # Issue 20's verdict on a request that got a 5xx from every
+                # backend while their probes pass — a poison request's. Two
+                # backends flapping in step (each 500 to the request, 200 to
+                # its probe) look the same from the proxy: a clear error then,
+                # never while any backend answers every request.
+                modes = {b.mode for b in self.backends.values()}
+                assert "flap" in modes and modes <= {"flap", "storm"}, where
             else:
                 raise AssertionError(f"unexpected status: {where}")
             return
@@ -839,6 +848,26 @@ def test_replay_a_corroboration_probe_judging_after_the_schedule_moved_on() -> N
         sim.set_mode(mode="healthy", name="primary", retry_after="0")
         sim.set_mode(mode="slow", name="fallback", retry_after="1")
         sim.hostile(n=11, stream=False, with_load=False)
+        sim.counters_idle()
+    finally:
+        sim.teardown()
+
+
+def test_replay_two_backends_flapping_in_step() -> None:
+    """The schedule hypothesis found (2026-12-04): both backends flap (500 and
+    200 in turn), a streaming question gets a 500 from each while their
+    probes get 200s — the proxy's verdict is issue 20's `502
+    request_failed_everywhere`, a clear error the checker did not know."""
+    sim = ProxySimulation()
+    sim.start(recovery_probe=True)
+    try:
+        sim.advance(windows=1)
+        sim.schedule(fallback="slow", primary="slow", rejects_prefill=True, retry_after="0")
+        sim.schedule(fallback="slow", primary="healthy", rejects_prefill=False, retry_after="0")
+        sim.schedule(fallback="healthy", primary="flap", rejects_prefill=False, retry_after="0")
+        sim.set_mode(mode="flap", name="fallback", retry_after="0")
+        sim.engine_queue(waiting=0)
+        sim.settle(stream=True)
         sim.counters_idle()
     finally:
         sim.teardown()
