@@ -137,6 +137,11 @@ class ChunkRuns:
         # box, invisible to callgrind). Same bytes compared, same verdict.
         junction, batch = self._junction, self._batch
         at, end = i + lp, j - ls
+        if len(literals) <= batch:  # one batch (a short answer): no slicing
+            body = junction.join(literals)
+            if len(body) != end - at or not region.startswith(body, at):
+                return None
+            return Run(i, j, literals, self._chat)
         for b in range(0, len(literals), batch):
             if b:
                 if not region.startswith(junction, at):
