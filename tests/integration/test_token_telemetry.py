@@ -64,16 +64,28 @@ def usage_chunk(prompt: int, completion: int) -> bytes:
     return vllm_chunk([], usage=usage)
 
 
-def vllm_stream(words: list[str], *, gap_s: float = 0.0, split_done: bool = False) -> Any:
+def vllm_stream(
+    words: list[str], *, gap_s: float = 0.0, split_done: bool = False, burst: bool = False
+) -> Any:
     """A stream handler: a role chunk, one chunk per word (`gap_s` apart), a
     finish chunk, then — only if the request asked — the usage chunk, then
-    [DONE] (in the same write as the usage, or apart with `split_done`)."""
+    [DONE] (in the same write as the usage, or apart with `split_done`).
+    `burst`: the whole answer in one write (one region for the relay)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         asked = (body.get("stream_options") or {}).get("include_usage") is True
-        resp = web.StreamResponse(headers=SSE)
+        resp: Any = web.StreamResponse(headers=SSE)
         await resp.prepare(request)
+        if burst:
+            out = resp
+            pieces: list[bytes] = []
+
+            class Buffered:
+                async def write(self, data: bytes) -> None:
+                    pieces.append(data)
+
+            resp = Buffered()
         await resp.write(
             vllm_chunk(
                 [
@@ -97,6 +109,9 @@ def vllm_stream(words: list[str], *, gap_s: float = 0.0, split_done: bool = Fals
             await asyncio.sleep(0.02)
             tail = b""
         await resp.write(tail + DONE_EVENT)
+        if burst:
+            await out.write(b"".join(pieces))
+            return out
         return resp
 
     return handler
@@ -126,11 +141,24 @@ def tokens_of(samples: dict[Any, float], backend: str) -> tuple[float, float]:
 WORDS = ["one", " two", " three", " four"]
 
 
-@pytest.mark.parametrize("split_done", [False, True])
+@pytest.mark.parametrize(
+    ("words", "split_done", "burst"),
+    [
+        (WORDS, False, False),
+        (WORDS, True, False),
+        # A 1,024-chunk answer in one write (issue 24): the usage chunk is
+        # cut out of a region of many events, however the reads fall.
+        ([f" w{i}" for i in range(1024)], False, True),
+    ],
+)
 async def test_stream_counted_and_client_bytes_unchanged_when_it_did_not_ask(
-    fake_upstream: FakeUpstream, start_proxy: ProxyFactory, split_done: bool
+    fake_upstream: FakeUpstream,
+    start_proxy: ProxyFactory,
+    words: list[str],
+    split_done: bool,
+    burst: bool,
 ) -> None:
-    fake_upstream.handlers[CHAT] = vllm_stream(WORDS, split_done=split_done)
+    fake_upstream.handlers[CHAT] = vllm_stream(words, split_done=split_done, burst=burst)
     asking = await start_proxy(policy(fake_upstream.url))
     silent = await start_proxy(policy(fake_upstream.url, primary_extra={"stream_usage": False}))
     status, with_usage_asked = await post(asking, chat())
@@ -146,7 +174,7 @@ async def test_stream_counted_and_client_bytes_unchanged_when_it_did_not_ask(
     assert sent[0]["stream_options"] == {"include_usage": True}
     assert "stream_options" not in sent[1]
     m = await metrics(asking)
-    assert tokens_of(m, "primary") == (PROMPT_TOKENS, len(WORDS))
+    assert tokens_of(m, "primary") == (PROMPT_TOKENS, len(words))
     labels = {
         dict(k[1])["model"] + "/" + dict(k[1])["tier"]
         for k in m

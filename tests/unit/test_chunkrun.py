@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.guard.compiled import Guard
-from proxy.openai.chunkrun import ChunkRuns
+from proxy.openai.chunkrun import JOIN_BYTES, ChunkRuns
 from proxy.openai.chunks import markers
 from proxy.policy import GuardPolicy
 
@@ -155,3 +155,34 @@ def test_a_run_is_exactly_what_splitting_the_region_finds(
     run = runs.cut(region)
     got = None if run is None else (run.start, run.end, run.literals)
     assert got == want
+
+
+def test_a_burst_longer_than_one_batch_is_compared_whole() -> None:
+    """The rebuilt envelope is compared a batch of literals (JOIN_BYTES of
+    envelope) at a time: a change anywhere (inside a batch, in the junction
+    between two batches, at the very end) is still found, and a burst of
+    several batches is one run."""
+    runs = learnt(answer(WORDS))
+    batch = runs._batch
+    assert 16 <= batch <= JOIN_BYTES // len(runs._junction)
+    words = [f"w{i} " for i in range(3 * batch + 5)]
+    region = answer(words)
+    run = runs.cut(region)
+    assert run is not None and [json.loads(b'"' + lit + b'"') for lit in run.literals] == words
+    assert _cut_by_splitting(runs, region) == (run.start, run.end, run.literals)
+    events = [chunk(w) for w in words]
+    # The first chunk of the second batch (its junction), one inside the
+    # third batch and the last chunk of the run become other events.
+    for at in (batch, batch + 1, 2 * batch + 7, len(words) - 1):
+        for other in (
+            chunk(words[at], finish="stop"),
+            chunk(words[at])[:-3] + b',"x":1}\n\n',
+            chunk(words[at]).replace(b'"tiny"', b'"tinY"'),
+        ):
+            changed = [*events[:at], other, *events[at + 1 :]]
+            region = b"".join([chunk("", role=True), *changed, chunk("", finish="stop"), DONE])
+            want = _cut_by_splitting(runs, region)
+            run = runs.cut(region)
+            got = None if run is None else (run.start, run.end, run.literals)
+            assert got == want
+            assert markers(region, run) == markers(region)
