@@ -18,7 +18,9 @@ I/O); only `backend` failures feed breakers and the ladder:
   that makes the model emit control characters).
 
 Corroboration (`Ledger.decide`): when a suspect failure would open a closed
-breaker, the failure is held and the backend's recovery probe (the 1-token
+breaker, or is the trial of a half-open one (its failure would reopen it: a
+client whose poison request is the trial would keep a recovered backend
+out), the failure is held and the backend's recovery probe (the 1-token
 chat) goes out at once. A probe that fails opens the breaker; one that
 succeeds charges the held failures to their requests and the breaker stays
 closed. At most one corroboration per breaker per `reset_timeout_s`; inside

@@ -144,8 +144,12 @@ class BackendBreaker:
         elif self._consecutive >= p.fail_max:
             self._move("open", reason)
 
-    def would_open(self) -> bool:
-        """Whether one more counted failure would open this (closed) breaker."""
+    def would_open(self, permit: Permit | None = None) -> bool:
+        """Whether one more counted failure would open this breaker: a closed
+        one's at its threshold, or the failure of a half-open one's trial
+        (`permit`) — which a client can shape as much as any other."""
+        if self.state == "half-open":
+            return permit is not None and self._counts(permit)
         if self.state != "closed":
             return False
         p = self.policy

@@ -373,7 +373,7 @@ class Runtime:
         b = up.breaker_of(permit)
         if suspect and b.policy.corroborate:
             led = up.judge.ledger(b)
-            decision = led.decide(self.clock(), client, b.would_open())
+            decision = led.decide(self.clock(), client, b.would_open(permit))
             if decision in ("hold", "probe"):
                 led.held.append(Held(kind, detail, client, rid))
                 if decision == "probe":
@@ -401,7 +401,7 @@ class Runtime:
         counted = b.outcomes
         reason = f"{kind}: {detail}" if detail else kind
         if permit is None:
-            if b.state == "closed":
+            if b.state != "open":  # closed, or half-open with its trial held
                 b.force_open(reason)
         else:
             b.record_failure(permit, reason)
@@ -475,7 +475,7 @@ class Runtime:
         )
         for h in held:
             self._charge_backend(up, h.fault)
-        if held and b.state == "closed":
+        if held and b.state != "open":
             h = held[-1]
             self._count_failure(up, b, None, h.fault, f"{h.detail} ({probe})".strip())
 

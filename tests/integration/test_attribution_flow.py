@@ -379,3 +379,47 @@ async def test_a_client_that_grabbed_the_idle_pool_gives_slots_to_the_others_fir
     assert served[4:6] == ["other", "other"], served
     assert rt.admission.held == {} and rt.admission.inflight == 0
     assert rt.ladder.tier == "normal"
+
+
+async def test_a_poison_request_as_the_half_open_trial_does_not_keep_a_recovered_backend_out(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """Without recovery probes a real request is the half-open trial. The
+    primary really broke (its probe failed too) and recovered; one client's
+    poison request is the trial: corroborated like a closed breaker's failure
+    (the probe passes: the request's), the breaker does not reopen, the next
+    request closes it, and the primary is charged with its real outage only.
+    (Found by the ladder simulation, 2026-12-04: the trial's 500 reopened a
+    healthy backend's breaker and was charged to it.)"""
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    fake_upstream.handlers[CHAT] = broken
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    extra = {
+        "ladder": {
+            "breaker": {"fail_max": 3, "reset_timeout_s": 0.5},
+            "failover": {"retry_max": 0, "recovery_probe": False},
+        }
+    }
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    rt = proxy.app[STATE].current
+    primary = rt.upstreams["primary"]
+    for _ in range(3):
+        status, headers, _ = await post(proxy, PLAIN)
+        assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
+    await wait_until(lambda: primary.breaker.state == "open")
+    fake_upstream.handlers[CHAT] = poisoned_by("top_p")  # recovered
+    await asyncio.sleep(0.6)  # past reset_timeout_s: the next request is the trial
+    status, headers, _ = await post(proxy, POISON)
+    assert status == 200 and headers["X-Brownout-Backend"] == "fallback"
+    led = primary.judge.ledger(primary.breaker)
+    await wait_until(lambda: not led.probing)
+    assert primary.breaker.state == "half-open", primary.breaker.last_reason
+    status, headers, _ = await post(proxy, PLAIN)
+    assert (status, headers["X-Brownout-Backend"]) == (200, "primary")
+    assert primary.breaker.state == "closed"
+    m = await metrics(proxy)
+    assert total(m, "brownout_failures_total", backend="primary", attribution="backend") == 3
+    assert total(m, "brownout_failures_total", backend="primary", attribution="request") == 1
