@@ -126,6 +126,7 @@ class Canary:
             else None
         )
         self._key_is_api_key = sticky == "api_key"
+        self._joined = frozenset(rp.priorities)  # `Rollout.cut`'s joined priorities
         self._wall_offset = time.time() - clock()
 
     # -- per request ---------------------------------------------------------------
@@ -145,7 +146,9 @@ class Canary:
         """Whether `rec` goes to the candidate now: its bucket below the cut.
         (`bucket_of` and `bucket`, inline: this runs on every request while
         routing; a request that cannot go is not hashed.)"""
-        cut = self.rollout.cut(rec.priority)
+        ro = self.rollout
+        # `Rollout.cut`, inline: the cuts are set when the step changes.
+        cut = ro.cut_joined if rec.priority in self._joined else ro.cut_other
         if cut <= 0.0:
             return False
         name = self._key_header
@@ -255,7 +258,7 @@ class Canary:
     def finished(self, rec: RequestRecord, term: Terminal, elapsed: float) -> None:
         """One request's end, while a rollout runs: the gates' sample."""
         opened = self._open.pop(rec.rid, None) if self._open else None
-        if self.rollout.state not in RUNNING:
+        if not self.rollout.running:
             return
         if opened:
             for entry in opened:  # its failed attempts, recorded when they failed
