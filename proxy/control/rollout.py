@@ -54,6 +54,26 @@ def bucket(key: str) -> float:
     return int.from_bytes(digest, "big") / 2.0**64
 
 
+def below(cut: float) -> bytes:
+    """The digests whose bucket is below `cut`, as a bound: for any 8-byte
+    big-endian digest `d` (`bucket`'s), `d < below(cut)` exactly when
+    `int.from_bytes(d, "big") / 2.0**64 < cut` — the int's rounding to a float
+    included (a few digests next to the cut round onto it). Made when the cut
+    changes, so a request compares bytes: no int, no float, no division."""
+    c = cut * 2.0**64  # exact: a power of two
+    # The digests below the cut are a prefix [0, t) (float(n) rises with n):
+    # t is the first n whose float reaches c.
+    lo, hi = 0, 1 << 64
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if float(mid) >= c:
+            hi = mid
+        else:
+            lo = mid + 1
+    # t = 2**64: every digest (9 bytes of 0xff are above any 8 bytes).
+    return lo.to_bytes(8, "big") if lo < 1 << 64 else b"\xff" * 9
+
+
 def random_bucket() -> float:
     """`sticky: none` (or no key): a fresh bucket per request, uniform on [0, 1)
     (`random.random`: no system call per request, and a bucket needs no secrecy)."""
@@ -118,6 +138,9 @@ class Rollout:
     """`cut()` of a priority in `policy.priorities`."""
     cut_other: float = field(init=False, repr=False, compare=False)
     """`cut()` of the others (critical): 0.0 before the last step."""
+    below_joined: bytes = field(init=False, repr=False, compare=False)
+    """`below(cut_joined)`: a sticky key's digest under it goes to the candidate."""
+    below_other: bytes = field(init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -140,6 +163,8 @@ class Rollout:
             d["cut_joined"] = d["cut_other"] = 1.0
         else:
             d["cut_joined"] = d["cut_other"] = 0.0
+        d["below_joined"] = below(d["cut_joined"])
+        d["below_other"] = below(d["cut_other"])
 
     @property
     def share(self) -> float:

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.control.rollout import STATES, Rollout, bucket
+from proxy.control.rollout import STATES, Rollout, below, bucket
 from proxy.policy import parse_policy
 from proxy.policy.rollout import RolloutPolicy
 from proxy.runtime.canary import Canary
@@ -229,3 +229,40 @@ def test_buckets_are_pinned_across_processes_and_hash_seeds() -> None:
             check=True,
         ).stdout
         assert out.strip() == repr(list(PINNED.values()))
+
+
+def _near_bound(cut: float) -> list[int]:
+    """Digests next to where `cut`'s bucket boundary falls (where a float's
+    rounding decides), and the ends."""
+    c = int(cut * 2.0**64)
+    return [n for d in range(-4100, 4100, 7) if 0 <= (n := c + d) < 1 << 64] + [0, (1 << 64) - 1]
+
+
+@given(
+    cut=st.one_of(
+        st.sampled_from([0.05, 0.2, 0.5, 1.0, 0.0, 1e-300, 2.0**-64, 1 - 2.0**-53]),
+        st.floats(0.0, 1.0),
+    ),
+    ns=st.lists(st.integers(0, (1 << 64) - 1), max_size=20),
+)
+def test_the_digest_bound_is_the_bucket_rule_exactly(cut: float, ns: list[int]) -> None:
+    """`below(cut)` (bytes, made per step) sorts a digest exactly as
+    `bucket() < cut` did with the int turned float and divided — next to the
+    boundary too, where the float's rounding moves it."""
+    bound = below(cut)
+    for n in [*ns, *_near_bound(cut)]:
+        assert (n.to_bytes(8, "big") < bound) == (n / 2.0**64 < cut), (cut, n)
+
+
+@pytest.mark.parametrize("state_step", [("step", 0), ("step", 1), ("paused", 1), ("complete", 1)])
+def test_the_arm_of_a_key_is_its_bucket_below_the_cut_at_every_step(
+    state_step: tuple[str, int], tmp_path: Any
+) -> None:
+    c = canary("session", str(tmp_path))
+    ro = c.rollout
+    ro.state, ro.step = state_step  # type: ignore[assignment]
+    for i in range(300):
+        for priority in ("normal", "critical"):
+            key = f"user-{i}"
+            want = bucket(key) < ro.cut(priority)
+            assert c.wants_candidate(rec({"X-Session-Id": key}, priority)) == want
