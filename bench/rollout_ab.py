@@ -233,17 +233,31 @@ def measure_instr(
 
 
 def instructions(
-    tmp: Path, up_port: int, kind: str, n: int, conc: int, trees: list[Path], idle_s: float
+    tmp: Path,
+    up_port: int,
+    kind: str,
+    n: int,
+    conc: int,
+    trees: list[Path],
+    idle_s: float,
+    control: bool = False,
+    hashseed: str = "",
 ) -> list[Instr]:
-    """Instructions per request of each variant (and tree), under callgrind."""
+    """Instructions per request of each variant (and tree), under callgrind.
+    `control`: a second `off` process last ("off2": what two identical
+    processes differ by); `hashseed`: PYTHONHASHSEED of the proxies ("": a
+    random one per process, as in production)."""
     upstream = f"http://127.0.0.1:{up_port}/{kind}"
     out: list[Instr] = []
+    variants = (*VARIANTS, "off2") if control else VARIANTS
     for ti, tree in enumerate(trees):
-        for v in VARIANTS:
+        for v in variants:
             port = free_port()
-            pol = variant_policy(tmp, upstream, f"cg-{kind}-{ti}-{v}", v)
+            pol = variant_policy(tmp, upstream, f"cg-{kind}-{ti}-{v}", v.rstrip("2"))
             dump = tmp / f"cg-{kind}-{ti}-{v}"
             env = {**os.environ, "PYTHONPATH": str(tree)}
+            if hashseed:
+                env["PYTHONHASHSEED"] = hashseed
             p = callgrind(dump, serve_cmd(pol, port), tree, env)
             try:
                 raw, bg, per = measure_instr(p, port, dump, n, conc, idle_s)
@@ -440,6 +454,10 @@ def main() -> int:
     )
     ap.add_argument("--conc-instr", type=int, default=16)
     ap.add_argument("--idle-s", type=float, default=8.0, help="no-load span under callgrind")
+    ap.add_argument(
+        "--control", action="store_true", help="callgrind: a second off process (off2) last"
+    )
+    ap.add_argument("--hashseed", default="", help="callgrind: the proxies' PYTHONHASHSEED")
     ap.add_argument("--tree", type=Path, action="append", default=[], help="another checkout")
     ap.add_argument("--quick", action="store_true", help="4 rounds of 2 s, 300 requests")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollout-cost.md")
@@ -471,7 +489,9 @@ def main() -> int:
             results.append(throughput(tmp, up, kind, args.rounds, args.duration, args.conc))
         for kind in instr_kinds:
             n = args.requests if kind == "short" else max(50, args.requests // 10)
-            instr[kind] = instructions(tmp, up, kind, n, args.conc_instr, trees, args.idle_s)
+            instr[kind] = instructions(
+                tmp, up, kind, n, args.conc_instr, trees, args.idle_s, args.control, args.hashseed
+            )
     finally:
         stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)

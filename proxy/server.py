@@ -14,6 +14,7 @@ from proxy.app import create_app
 from proxy.ingress.listen import GuardedSite
 from proxy.policy import Policy, redact_url
 from proxy.runtime.keys import STATE
+from proxy.runtime.layouts import settle_layouts
 from proxy.runtime.shutdown import drain
 from proxy.runtime.state import ProxyState
 from proxy.telemetry.logs import configure_logging
@@ -46,6 +47,7 @@ def _send_chunks_unjoined() -> None:
 
 
 def run(policy: Policy, host: str | None = None, port: int | None = None) -> None:
+    settle_layouts()  # before any request or probe makes a writer
     configure_logging(policy.server.log_level)
     host = host or policy.server.host
     port = port or policy.server.port

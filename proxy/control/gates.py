@@ -531,14 +531,21 @@ class Gates:
         if st is None:
             raise ValueError(f"unknown arm {arm!r}")
         # (`type(...) is float` first: the runtime's clock and latencies are
-        # floats, and the exact type test is the cheap one on every request.)
-        if (type(at) is not float and not isinstance(at, int | float)) or not math.isfinite(at):
+        # floats, and the exact type test is the cheap one on every request;
+        # a float is finite when `at - at` is 0.0 — inf and nan give nan —
+        # with no call to `math.isfinite` or `float`.)
+        if type(at) is float:
+            if at - at != 0.0:
+                st.dropped += 1
+                return
+        elif not isinstance(at, int | float) or not math.isfinite(at):
             st.dropped += 1
             return
+        else:
+            at = float(at)
         if at < self._last_at:
             at = self._last_at
         else:
-            at = float(at)
             self._last_at = at
         # The requests' deques (the hard gates' counts), inline. The series
         # are pruned when read (`evaluate()`).

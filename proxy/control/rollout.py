@@ -44,12 +44,34 @@ Arm = Literal["primary", "candidate"]
 Action = Literal["start", "pause", "resume", "abort", "promote"]
 ACTIONS: tuple[Action, ...] = ("start", "pause", "resume", "abort", "promote")
 RUNNING = frozenset({"mirror", "step", "paused"})
+# What `Rollout`'s per-request attributes (`routing`, `cut_joined`, ...) follow.
+_ROUTING_INPUTS = frozenset({"policy", "state", "step"})
 
 
 def bucket(key: str) -> float:
     """A sticky key's place in [0, 1): stable across steps, processes and restarts."""
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64
+
+
+def below(cut: float) -> bytes:
+    """The digests whose bucket is below `cut`, as a bound: for any 8-byte
+    big-endian digest `d` (`bucket`'s), `d < below(cut)` exactly when
+    `int.from_bytes(d, "big") / 2.0**64 < cut` — the int's rounding to a float
+    included (a few digests next to the cut round onto it). Made when the cut
+    changes, so a request compares bytes: no int, no float, no division."""
+    c = cut * 2.0**64  # exact: a power of two
+    # The digests below the cut are a prefix [0, t) (float(n) rises with n):
+    # t is the first n whose float reaches c.
+    lo, hi = 0, 1 << 64
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if float(mid) >= c:
+            hi = mid
+        else:
+            lo = mid + 1
+    # t = 2**64: every digest (9 bytes of 0xff are above any 8 bytes).
+    return lo.to_bytes(8, "big") if lo < 1 << 64 else b"\xff" * 9
 
 
 def random_bucket() -> float:
@@ -101,6 +123,48 @@ class Rollout:
     history: list[RolloutEvent] = field(default_factory=list)
 
     # -- routing (per request: no allocation, no I/O) ------------------------------
+    #
+    # What a request reads is decided when the state, the step or the policy
+    # changes (`__setattr__`, `_derive`), not per request: `routing`,
+    # `mirroring` and `running` are plain attributes (a property is a Python
+    # call on every read), and the cut of each kind of priority is a float.
+
+    routing: bool = field(init=False, repr=False, compare=False)
+    """Whether requests may go to the candidate (a paused step holds its share)."""
+    mirroring: bool = field(init=False, repr=False, compare=False)
+    running: bool = field(init=False, repr=False, compare=False)
+    """`state in RUNNING`: the gates take samples."""
+    cut_joined: float = field(init=False, repr=False, compare=False)
+    """`cut()` of a priority in `policy.priorities`."""
+    cut_other: float = field(init=False, repr=False, compare=False)
+    """`cut()` of the others (critical): 0.0 before the last step."""
+    below_joined: bytes = field(init=False, repr=False, compare=False)
+    """`below(cut_joined)`: a sticky key's digest under it goes to the candidate."""
+    below_other: bytes = field(init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _ROUTING_INPUTS:
+            self._derive()
+
+    def _derive(self) -> None:
+        d = self.__dict__
+        if "policy" not in d or "state" not in d or "step" not in d:
+            return  # mid-__init__: the last of the three derives
+        st, p = self.state, self.policy
+        d["routing"] = st in ("step", "paused", "complete")
+        d["mirroring"] = st == "mirror" and p.mirror > 0
+        d["running"] = st in RUNNING
+        if st == "step" or st == "paused":
+            share = p.steps[self.step] if 0 <= self.step < len(p.steps) else 0.0
+            d["cut_joined"] = share
+            d["cut_other"] = share if self.step >= len(p.steps) - 1 else 0.0
+        elif st == "complete":
+            d["cut_joined"] = d["cut_other"] = 1.0
+        else:
+            d["cut_joined"] = d["cut_other"] = 0.0
+        d["below_joined"] = below(d["cut_joined"])
+        d["below_other"] = below(d["cut_other"])
 
     @property
     def share(self) -> float:
@@ -112,29 +176,11 @@ class Rollout:
             return 1.0
         return 0.0
 
-    @property
-    def routing(self) -> bool:
-        """Whether requests may go to the candidate (a paused step holds its share)."""
-        return self.state in ("step", "paused", "complete")
-
-    @property
-    def mirroring(self) -> bool:
-        return self.state == "mirror" and self.policy.mirror > 0
-
     def cut(self, priority: str) -> float:
         """The bucket below which a request of `priority` goes to the candidate
         now; 0.0: none does (not routing, or a priority that joins only at the
         last step). Known before the bucket: a request that cannot go is not hashed."""
-        st = self.state
-        if st == "step" or st == "paused":
-            p = self.policy
-            step = self.step
-            if priority not in p.priorities and step < len(p.steps) - 1:
-                return 0.0  # critical joins at the last step
-            return p.steps[step]
-        if st == "complete":
-            return 1.0
-        return 0.0
+        return self.cut_joined if priority in self.policy.priorities else self.cut_other
 
     def arm(self, b: float, priority: str) -> Arm:
         """The arm of a request with bucket `b` and `priority`."""

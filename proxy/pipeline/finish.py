@@ -8,7 +8,6 @@ from typing import Any
 
 import structlog
 
-from proxy.control.rollout import RUNNING
 from proxy.pipeline.inbox import Inbox
 from proxy.pipeline.record import AttemptResult, RequestRecord, Terminal
 
@@ -90,7 +89,7 @@ def finish(rec: RequestRecord, term: Terminal, inbox: Inbox | None = None) -> No
                 if tb is not None:
                     tb.per_output_token.observe(t.tpot)
     canary = rt.canary
-    if canary is not None and canary.rollout.state in RUNNING:
+    if canary is not None and canary.rollout.running:
         canary.finished(rec, term, elapsed)  # the gates' sample (a rollout runs)
     extra: dict[str, Any] = {}
     notes = []

@@ -70,7 +70,8 @@ async def serve(rec: RequestRecord) -> web.StreamResponse:
         if canary is not None and dest == "primary":
             # A gray release: the request's bucket picks its arm; a candidate
             # failure before the first byte is then retried on the primary.
-            # (The rollout's state first: idle, it costs two attribute reads.)
+            # (Idle, it costs three attribute reads: `routing` and `mirroring`
+            # are set when the rollout's state changes, not computed here.)
             ro = canary.rollout
             if ro.routing:
                 if canary.wants_candidate(rec):

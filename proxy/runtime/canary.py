@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
+from aiohttp import hdrs
+from multidict import istr
 
 from proxy.control.attribution import DEFINITIVE, classify
 from proxy.control.gates import GateReport, Gates, GateValue
@@ -77,7 +79,6 @@ ERRORS_KEPT = 200  # error records per arm kept for the bundle
 BUNDLE_RECORDING_S = 600.0  # the flight recording's last minutes in a bundle
 TIMELINE_KEPT = 5000
 OPEN_KEPT = 2 * ERRORS_KEPT  # error records of requests not finished yet
-_TWO_64 = 2.0**64  # a bucket is the sticky key's 64-bit hash / 2**64 (`rollout.bucket`)
 
 
 class Canary:
@@ -118,14 +119,16 @@ class Canary:
         self.state_error: str | None = None
         # The sticky key's header, found once per policy (not per request).
         sticky = rp.sticky
+        # (An `istr`: multidict looks it up without case-folding it per request.)
         self._key_header: str | None = (
-            "X-Session-Id"
+            istr("X-Session-Id")
             if sticky == "session"
-            else sticky[7:]
+            else istr(sticky[7:])
             if sticky.startswith("header:")
             else None
         )
         self._key_is_api_key = sticky == "api_key"
+        self._joined = frozenset(rp.priorities)  # `Rollout.cut`'s joined priorities
         self._wall_offset = time.time() - clock()
 
     # -- per request ---------------------------------------------------------------
@@ -135,7 +138,7 @@ class Canary:
         if name is not None:
             key = rec.request.headers.get(name)
         elif self._key_is_api_key:
-            key = bearer_token(rec.request.headers.get("Authorization"))
+            key = bearer_token(rec.request.headers.get(hdrs.AUTHORIZATION))
         else:
             key = None
         # No key (a request without a session id, say): a bucket of its own.
@@ -145,20 +148,25 @@ class Canary:
         """Whether `rec` goes to the candidate now: its bucket below the cut.
         (`bucket_of` and `bucket`, inline: this runs on every request while
         routing; a request that cannot go is not hashed.)"""
-        cut = self.rollout.cut(rec.priority)
+        ro = self.rollout
+        # `Rollout.cut`, inline: the cuts are set when the step changes.
+        joined = rec.priority in self._joined
+        cut = ro.cut_joined if joined else ro.cut_other
         if cut <= 0.0:
             return False
         name = self._key_header
         if name is not None:
             key = rec.request.headers.get(name)
         elif self._key_is_api_key:
-            key = bearer_token(rec.request.headers.get("Authorization"))
+            key = bearer_token(rec.request.headers.get(hdrs.AUTHORIZATION))
         else:
             key = None
         if not key:
             return random_bucket() < cut
+        # `bucket(key) < cut` as bytes: the digest against the cut's bound
+        # (`rollout.below`, made when the step changed).
         digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-        return int.from_bytes(digest, "big") / _TWO_64 < cut
+        return digest < (ro.below_joined if joined else ro.below_other)
 
     def maybe_mirror(self, rec: RequestRecord, cand: Upstream) -> None:
         """The mirror state: a share of live requests is copied to the
@@ -255,7 +263,7 @@ class Canary:
     def finished(self, rec: RequestRecord, term: Terminal, elapsed: float) -> None:
         """One request's end, while a rollout runs: the gates' sample."""
         opened = self._open.pop(rec.rid, None) if self._open else None
-        if self.rollout.state not in RUNNING:
+        if not self.rollout.running:
             return
         if opened:
             for entry in opened:  # its failed attempts, recorded when they failed

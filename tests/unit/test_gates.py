@@ -805,3 +805,20 @@ def test_a_sample_on_the_request_path_costs_deque_appends_only() -> None:
     assert s._flat == [] and len(s) == 50
     g.evaluate(1.0)
     assert s._flat == sorted(1.0 - i / 100 for i in range(50))
+
+
+def test_answered_takes_finite_times_of_any_number_type_and_drops_the_rest() -> None:
+    """`answered` (every request's sample) tests a float's finiteness inline:
+    nan and ±inf dropped and counted, ints and floats taken, times that go
+    back taken as the latest seen."""
+    g = Gates(GatesPolicy())
+    for at in (math.nan, math.inf, -math.inf):
+        g.answered("primary", at, 0.5, 0.1)
+    g.answered("primary", 3, 0.5, 0.1)  # an int clock
+    g.answered("primary", 2.0, 0.5, 0.1)  # earlier: taken at 3.0
+    g.answered("primary", -0.0 + 4.0, 0.5, 0.1)
+    rep = g.evaluate(5.0)
+    assert rep.dropped["primary"] == 3
+    assert rep.samples["primary"] == 3
+    assert list(g._arms["primary"].req_at) == [3.0, 3.0, 4.0]
+    assert all(type(x) is float for x in g._arms["primary"].req_at)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -13,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.control.rollout import STATES, Rollout, bucket
+from proxy.control.rollout import STATES, Rollout, below, bucket
 from proxy.policy import parse_policy
 from proxy.policy.rollout import RolloutPolicy
 from proxy.runtime.canary import Canary
@@ -143,3 +146,123 @@ def test_the_inline_arm_choice_is_the_bucket_rule(tmp_path: Any) -> None:
     for key in keys[:4]:
         got = c.wants_candidate(rec({"Authorization": f"Bearer sk-{key}"}))
         assert got == (bucket(f"sk-{key}") < 0.5), key
+
+
+def reference_derived(ro: Rollout) -> dict[str, Any]:
+    """What `Rollout`'s per-request attributes must say, from its state and
+    step (the properties they replaced)."""
+    st_, p = ro.state, ro.policy
+    last = ro.step >= len(p.steps) - 1
+    share = 1.0 if st_ == "complete" else p.steps[ro.step] if st_ in ("step", "paused") else 0.0
+    return {
+        "routing": st_ in ("step", "paused", "complete"),
+        "mirroring": st_ == "mirror" and p.mirror > 0,
+        "running": st_ in ("mirror", "step", "paused"),
+        "cut_joined": share,
+        "cut_other": share if st_ == "complete" or last else 0.0,
+    }
+
+
+def derived(ro: Rollout) -> dict[str, Any]:
+    return {
+        k: getattr(ro, k) for k in ("routing", "mirroring", "running", "cut_joined", "cut_other")
+    }
+
+
+@given(
+    mirror=st.sampled_from([0.0, 0.3]),
+    moves=st.lists(
+        st.one_of(
+            st.sampled_from(["start", "pause", "resume", "abort", "promote"]),
+            st.sampled_from(["tick", "rollback", "restore"]),
+            st.tuples(st.sampled_from(STATES), st.integers(0, len(STEPS) - 1)),
+        ),
+        max_size=12,
+    ),
+)
+def test_the_per_request_attributes_follow_every_change(mirror: float, moves: list[Any]) -> None:
+    """`routing`, `mirroring`, `running` and the cuts are set when the state,
+    the step or the policy changes (not computed per request): whatever moved
+    them — an action, a step, a rollback, a restore, a direct assignment —
+    they say what the state and step say."""
+    t = [0.0]
+    ro = Rollout(RolloutPolicy(steps=STEPS, mirror=mirror, step_s=1.0, mirror_s=1.0), lambda: t[0])
+    assert derived(ro) == reference_derived(ro)
+    for move in moves:
+        t[0] += 2.0
+        if isinstance(move, tuple):
+            ro.state, ro.step = move
+        elif move == "tick":
+            ro.tick(t[0], True)
+        elif move == "rollback":
+            ro.rollback(t[0], "error_rate", "x")
+        elif move == "restore":
+            ro.restore({"state": "paused", "step": 2, "held_s": 1.0}, t[0])
+        else:
+            ro.act(move, t[0])
+        assert derived(ro) == reference_derived(ro), move
+        for priority in ("critical", "normal", "sheddable"):
+            assert ro.cut(priority) == (
+                ro.cut_joined if priority in ro.policy.priorities else ro.cut_other
+            )
+    ro.policy = RolloutPolicy(steps=(0.5, 1.0), mirror=mirror)
+    ro.step = 0
+    assert derived(ro) == reference_derived(ro)
+
+
+# A sticky key's bucket must not move between processes, restarts and
+# releases (a client on the candidate stays there): pinned values of the
+# documented hash (blake2b, 8 bytes, big-endian, / 2**64).
+PINNED = {"user-1": 0.6041924073669338, "s-1": 0.012253782196995883, "é": 0.7933768955844694}
+
+
+def test_buckets_are_pinned_across_processes_and_hash_seeds() -> None:
+    for key, b in PINNED.items():
+        assert bucket(key) == b
+    code = "from proxy.control.rollout import bucket; print(repr([bucket(k) for k in %r]))"
+    for seed in ("0", "1", "random"):
+        out = subprocess.run(
+            [sys.executable, "-c", code % list(PINNED)],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert out.strip() == repr(list(PINNED.values()))
+
+
+def _near_bound(cut: float) -> list[int]:
+    """Digests next to where `cut`'s bucket boundary falls (where a float's
+    rounding decides), and the ends."""
+    c = int(cut * 2.0**64)
+    return [n for d in range(-4100, 4100, 7) if 0 <= (n := c + d) < 1 << 64] + [0, (1 << 64) - 1]
+
+
+@given(
+    cut=st.one_of(
+        st.sampled_from([0.05, 0.2, 0.5, 1.0, 0.0, 1e-300, 2.0**-64, 1 - 2.0**-53]),
+        st.floats(0.0, 1.0),
+    ),
+    ns=st.lists(st.integers(0, (1 << 64) - 1), max_size=20),
+)
+def test_the_digest_bound_is_the_bucket_rule_exactly(cut: float, ns: list[int]) -> None:
+    """`below(cut)` (bytes, made per step) sorts a digest exactly as
+    `bucket() < cut` did with the int turned float and divided — next to the
+    boundary too, where the float's rounding moves it."""
+    bound = below(cut)
+    for n in [*ns, *_near_bound(cut)]:
+        assert (n.to_bytes(8, "big") < bound) == (n / 2.0**64 < cut), (cut, n)
+
+
+@pytest.mark.parametrize("state_step", [("step", 0), ("step", 1), ("paused", 1), ("complete", 1)])
+def test_the_arm_of_a_key_is_its_bucket_below_the_cut_at_every_step(
+    state_step: tuple[str, int], tmp_path: Any
+) -> None:
+    c = canary("session", str(tmp_path))
+    ro = c.rollout
+    ro.state, ro.step = state_step  # type: ignore[assignment]
+    for i in range(300):
+        for priority in ("normal", "critical"):
+            key = f"user-{i}"
+            want = bucket(key) < ro.cut(priority)
+            assert c.wants_candidate(rec({"X-Session-Id": key}, priority)) == want
