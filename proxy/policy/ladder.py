@@ -225,9 +225,10 @@ class BreakerPolicy:
     half_open_max_calls: int = knob(1, "Trial requests admitted while half-open.", ge=1)
     corroborate: bool = knob(
         True,
-        "Before 5xx answers, timeouts, cut streams or invalid output open a closed breaker, "
-        "send the backend's recovery probe: a probe that succeeds charges those failures to "
-        "their requests and keeps the breaker closed (at most one probe per "
+        "Before 5xx answers, timeouts, cut streams or invalid output open a closed breaker "
+        "(or reopen a half-open one), send the backend's recovery probe: a probe that "
+        "succeeds charges those failures to their requests and keeps the breaker from "
+        "opening (at most one probe per "
         "`reset_timeout_s`); false = open on the count alone.",
     )
     min_clients: int = knob(
