@@ -25,7 +25,9 @@ every other round, so drifting machine load hits all variants alike; the
 figures are the medians of the per-round ratios to "base" (req/s) and the
 proxy's CPU seconds per 1,000 requests (every thread), the steadier figure
 on a shared machine. A feature passes when its CPU per request is within
-its budget of base's.
+its budget of base's, over it by more than the run's noise (how far the
+`control` process, a second `base`, lands from base) when the excess is
+larger than that noise, and inconclusive in between.
 
     .venv/bin/python bench/guardrails.py [--rounds 6] [--duration 3] [--conc 16] [--quick]
 
@@ -63,6 +65,9 @@ class Variant:
 
 VARIANTS = (
     Variant("base", "base: every optional feature off", None, ""),
+    # A second `base` process: what two identical processes differ by in this
+    # run — the noise a verdict must clear.
+    Variant("control", "control: a second base process (the run's noise)", None, ""),
     Variant("guard", "output guard", 0.10, "issue 8: guard under 10 %"),
     Variant(
         "sessions",
@@ -182,9 +187,25 @@ def main() -> int:
     return 0
 
 
+def verdict_of(extra: float, budget: float, noise: float) -> str:
+    """`within` the budget; `**over**` it by more than the run's noise;
+    `inconclusive` when the excess is inside that noise."""
+    if extra <= budget:
+        return "within"
+    if extra > budget + noise:
+        return "**over**"
+    return f"inconclusive (over by {extra - budget:.1%}, noise {noise:.1%})"
+
+
 def render(samples: dict[str, list[Sample]], args: argparse.Namespace, stepping: str) -> str:
     base = samples["base"]
     cpu_base = statistics.median(x.cpu_per_1k or 0 for x in base)
+    ctl = samples.get("control") or []
+    noise = (
+        abs(statistics.median(x.cpu_per_1k or 0 for x in ctl) / cpu_base - 1)
+        if (ctl and cpu_base)
+        else 0.0
+    )
     lines = [
         "# Guard rails: what each optional feature costs the hot path",
         "",
@@ -193,7 +214,9 @@ def render(samples: dict[str, list[Sample]], args: argparse.Namespace, stepping:
         f"of {args.duration:g} s, one Brownout process per variant, every variant against "
         "`base` (all optional features off) in the same run. A feature passes when the "
         "proxy's CPU per request (every thread) is within its budget of base's; the "
-        "req/s ratio is shown beside it (noisier on a shared machine).",
+        "req/s ratio is shown beside it (noisier on a shared machine). `control` is a "
+        f"second base process: the run's noise, {noise:.1%} here; a feature over its "
+        "budget by less than that is inconclusive, not over.",
         "",
         "| feature | req/s (median) | req/s vs base (median, range) | CPU s / 1k req "
         "| CPU vs base | budget | verdict | errors |",
@@ -210,7 +233,7 @@ def render(samples: dict[str, list[Sample]], args: argparse.Namespace, stepping:
             budget, verdict = "—", "—"
         else:
             budget = f"{v.budget:.0%}"
-            verdict = "within" if extra <= v.budget else "**over**"
+            verdict = verdict_of(extra, v.budget, noise)
         lines.append(
             f"| {v.label} | {statistics.median(x.rps for x in s):,.0f} "
             f"| {statistics.median(ratios):.1%} ({min(ratios):.1%}–{max(ratios):.1%}) "
