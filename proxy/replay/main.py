@@ -122,7 +122,7 @@ def _run(
         )
     pb = baseline.backends.primary
     if future is not None:
-        world = build_world(trace, idle_s=pb.timeouts.idle_s)
+        world = build_world(trace, idle_s=pb.timeouts.idle_s, freeze=freeze)
         base_run = replay(baseline, trace, world, seed)
         side = _unpack(future.result())
         assert early is not None
@@ -259,7 +259,7 @@ def _early_job(
     copied on write."""
     trace = _load(trace_path, freeze)
     baseline, candidate, _, _ = _policies(trace, trace_path, candidate, baseline)
-    world = build_world(trace, idle_s=baseline.backends.primary.timeouts.idle_s)
+    world = build_world(trace, idle_s=baseline.backends.primary.timeouts.idle_s, freeze=freeze)
     # Left to the process's end (which frees nothing): freed on return,
     # millions of objects would cost their time before the answer is sent.
     _KEPT.append((trace, world))
