@@ -207,9 +207,10 @@ def _policies(
 # sends back its run (its long series as bytes) and its figures.
 PARALLEL_MIN = 200_000
 _FORK = "fork" in mp.get_all_start_methods()
-# A recording holds at least a request per this many bytes (gzipped; the
-# bench's synthetic one: 44): a trace this large is taken to hold
-# PARALLEL_MIN requests before it is read.
+# A request takes about this many bytes of a gzipped recording or more
+# (the bench's synthetic one: 44; uncompressed, ~300): a trace of
+# PARALLEL_MIN times this many bytes is taken as long before it is read
+# (a wrong guess costs a process, never a result).
 BYTES_PER_REQUEST = 40
 
 
