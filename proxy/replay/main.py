@@ -30,6 +30,7 @@ from proxy.replay.sim import Run, replay
 from proxy.replay.trace import Trace, policy_from_knobs, with_backends
 from proxy.replay.world import World, build_world
 from proxy.telemetry.recorder import fingerprint
+from proxy.telemetry.recording import segments
 
 
 class ReplayError(Exception):
@@ -74,40 +75,62 @@ def run_replay(
 ) -> Outcome:
     """Both replays and the report (`freeze`: see `Trace.load`)."""
     started, wall = _cpu(), time.monotonic()
+    early = None
+    if trace_path is not None and _estimate(trace_path) >= PARALLEL_MIN and _FORK:
+        # A long trace: the candidate's process is forked before the trace
+        # is read and reads it on its own (see `_early_job`).
+        early = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("fork"))
+    try:
+        return _run(
+            candidate, trace_path, scenario, baseline, fail_on, seed, freeze, early, started, wall
+        )
+    finally:
+        if early is not None:
+            early.shutdown(cancel_futures=True)
+
+
+def _run(
+    candidate: Policy,
+    trace_path: str | None,
+    scenario: str | None,
+    baseline: Policy | None,
+    fail_on: tuple[str, ...],
+    seed: int,
+    freeze: bool,
+    early: ProcessPoolExecutor | None,
+    started: float,
+    wall: float,
+) -> Outcome:
+    future = None
+    if early is not None:
+        assert trace_path is not None
+        future = early.submit(_early_job, candidate, trace_path, baseline, seed, freeze)
     notes: list[str] = []
     if scenario is not None:
         trace = scenario_trace(scenario, seed)
         recorded: Policy | None = None
     else:
         assert trace_path is not None
-        try:
-            trace = Trace.load(Path(trace_path), freeze=freeze)
-        except (OSError, ValueError) as exc:
-            raise ReplayError(f"{trace_path}: cannot read the trace: {exc}") from exc
-        knobs = trace.recorded_policy
-        recorded = policy_from_knobs(knobs, f"{trace_path} (recorded policy)") if knobs else None
-        if recorded is None:
-            notes.append("the trace carries no policy record: no fidelity can be measured")
-    is_recorded = False
-    if baseline is None:
-        if recorded is not None:
-            baseline, is_recorded = recorded, True
-        else:
-            baseline = scenario_policy()
-    elif recorded is not None and trace.policy_hash == fingerprint(baseline)[0]:
-        is_recorded = True
-    like = recorded or baseline
-    candidate = with_backends(candidate, like)
-    baseline = with_backends(baseline, like)
+        trace = _load(trace_path, freeze)
+    baseline, candidate, recorded, is_recorded = _policies(trace, trace_path, candidate, baseline)
+    if trace_path is not None and recorded is None:
+        notes.append("the trace carries no policy record: no fidelity can be measured")
     if len(trace.policies) > 1:
         notes.append(
             f"the policy was reloaded {len(trace.policies) - 1} time(s) during the "
             "trace: each replay runs one policy throughout"
         )
     pb = baseline.backends.primary
-    world, base_run, side = _both(
-        baseline, candidate, trace, pb.timeouts.idle_s, seed, recorded=not trace.synthetic
-    )
+    if future is not None:
+        world = build_world(trace, idle_s=pb.timeouts.idle_s, freeze=freeze)
+        base_run = replay(baseline, trace, world, seed)
+        side = _unpack(future.result())
+        assert early is not None
+        early.shutdown()  # (its process reaped: its CPU time counted)
+    else:
+        world, base_run, side = _both(
+            baseline, candidate, trace, pb.timeouts.idle_s, seed, recorded=not trace.synthetic
+        )
     notes += world.notes
     cand_run = side.run
     b, c = rep.summary(base_run), side.summary
@@ -149,11 +172,58 @@ def run_replay(
     return out
 
 
+def _load(trace_path: str, freeze: bool) -> Trace:
+    try:
+        return Trace.load(Path(trace_path), freeze=freeze)
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"{trace_path}: cannot read the trace: {exc}") from exc
+
+
+def _policies(
+    trace: Trace, trace_path: str | None, candidate: Policy, baseline: Policy | None
+) -> tuple[Policy, Policy, Policy | None, bool]:
+    """The baseline and the candidate as replayed (the recorded backends
+    where a policy has none), the recorded policy, whether the baseline is
+    the recorded one."""
+    recorded: Policy | None = None
+    if trace_path is not None:
+        knobs = trace.recorded_policy
+        recorded = policy_from_knobs(knobs, f"{trace_path} (recorded policy)") if knobs else None
+    is_recorded = False
+    if baseline is None:
+        if recorded is not None:
+            baseline, is_recorded = recorded, True
+        else:
+            baseline = scenario_policy()
+    elif recorded is not None and trace.policy_hash == fingerprint(baseline)[0]:
+        is_recorded = True
+    like = recorded or baseline
+    return with_backends(baseline, like), with_backends(candidate, like), recorded, is_recorded
+
+
 # Past this many requests the two replays run side by side: the candidate's
 # in a forked process, which inherits the parsed trace without copying it,
 # fits its own backend model (the same: it is a function of the trace) and
 # sends back its run (its long series as bytes) and its figures.
 PARALLEL_MIN = 200_000
+_FORK = "fork" in mp.get_all_start_methods()
+# A request takes about this many bytes of a gzipped recording or more
+# (the bench's synthetic one: 44; uncompressed, ~300): a trace of
+# PARALLEL_MIN times this many bytes is taken as long before it is read
+# (a wrong guess costs a process, never a result).
+BYTES_PER_REQUEST = 40
+
+
+def _estimate(trace_path: str) -> float:
+    """The requests a trace holds at most, guessed from its size."""
+    path = Path(trace_path)
+    try:
+        files = segments(path) if path.is_dir() else [path]
+        return sum(f.stat().st_size for f in files) / BYTES_PER_REQUEST
+    except OSError:
+        return 0.0
+
+
 _JOB: tuple[Policy, Trace, float, int, bool] | None = None
 
 
@@ -177,7 +247,30 @@ _Packed = tuple[_Side, bytes, bytes, dict[str, bytes]]
 def _candidate_job() -> _Packed:
     assert _JOB is not None
     policy, trace, idle_s, seed, recorded = _JOB
-    side = _candidate(policy, trace, build_world(trace, idle_s=idle_s), seed, recorded)
+    return _pack(_candidate(policy, trace, build_world(trace, idle_s=idle_s), seed, recorded))
+
+
+def _early_job(
+    candidate: Policy, trace_path: str, baseline: Policy | None, seed: int, freeze: bool
+) -> _Packed:
+    """The candidate's side in a process forked before the trace is read:
+    it reads the trace, fits the backend model and replays on its own core
+    (the same as the parent's: each a function of the trace and the
+    policies). Nothing of the parent's trace to share, none of its pages
+    copied on write."""
+    trace = _load(trace_path, freeze)
+    baseline, candidate, _, _ = _policies(trace, trace_path, candidate, baseline)
+    world = build_world(trace, idle_s=baseline.backends.primary.timeouts.idle_s, freeze=freeze)
+    # Left to the process's end (which frees nothing): freed on return,
+    # millions of objects would cost their time before the answer is sent.
+    _KEPT.append((trace, world))
+    return _pack(_candidate(candidate, trace, world, seed, not trace.synthetic))
+
+
+_KEPT: list[tuple[Trace, World]] = []  # (in the forked process only)
+
+
+def _pack(side: _Side) -> _Packed:
     run = side.run
     ttfts, ttft_t, series = run.ttfts, run.ttft_t, run.series
     run.ttfts, run.ttft_t, run.series = [], [], {}
@@ -207,7 +300,7 @@ def _both(
     baseline: Policy, candidate: Policy, trace: Trace, idle_s: float, seed: int, recorded: bool
 ) -> tuple[World, Run, _Side]:
     global _JOB
-    if len(trace.requests) < PARALLEL_MIN or "fork" not in mp.get_all_start_methods():
+    if len(trace.requests) < PARALLEL_MIN or not _FORK:
         world = build_world(trace, idle_s=idle_s)
         base = replay(baseline, trace, world, seed)
         return world, base, _candidate(candidate, trace, world, seed, recorded)

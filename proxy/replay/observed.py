@@ -104,7 +104,12 @@ class ObservedWaits:
                 push(held, (end, who))
                 _add(holds, who, 1)
             while held and held[0][0] <= t:
-                _add(holds, pop(held)[1], -1)
+                who = pop(held)[1]
+                n = holds.get(who, 0) - 1  # (`_add`, inline: once a request)
+                if n > 0:
+                    holds[who] = n
+                else:
+                    holds.pop(who, None)
             while gave_up and gave_up[0][0] <= t:
                 _add(waiting, pop(gave_up)[1], -1)
             called = a is not None and a.backend == "primary" and a.kind in _CALLED
@@ -117,7 +122,7 @@ class ObservedWaits:
             if not full:
                 if called:
                     push(held, (a.end, client))
-                    _add(holds, client, 1)
+                    holds[client] = holds.get(client, 0) + 1  # (`_add`, inline)
                 continue
             counts = self._counts(t, client, holds, waiting)
             _add(waiting, client, 1)

@@ -29,6 +29,7 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from proxy.control.admission import Admission, Rejected, Waiter
@@ -535,7 +536,7 @@ class Sim:
                     self._next_of[id(a)] = b
                 else:
                     self._overlaps[id(a)] = b
-        free.sort(key=lambda q: q.t)
+        free.sort(key=_ARRIVAL)
         return free
 
     def _overlap(self, q: Request) -> None:
@@ -794,6 +795,9 @@ class Sim:
         if f.waiter is not None and not f.waiter.future.done():
             self.admission.abandon(f.waiter)
             f.waiter = None
+
+
+_ARRIVAL = itemgetter(0)  # a Request's `t`
 
 
 def _retry_kind(out: Outcome) -> str:

@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import itertools
 import math
+import sys
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import eq, itemgetter, not_
@@ -175,13 +176,16 @@ class Trace:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            reader = Reader()
             files = segments(path) if path.is_dir() else [path]
-            recs: list[Any] = []
-            for f in files:
-                recs.extend(_parsed(reader, f))
-            tr = cls._build(recs, str(path), in_order=False)
-            del recs
+            reader = Reader()
+            tr = _chunked(cls, reader, files, str(path))
+            if tr is None:  # a record older than the first chunk's: all at once
+                reader = Reader()
+                recs: list[Any] = []
+                for f in files:
+                    recs.extend(_parsed(reader, f))
+                tr = cls._build(recs, str(path), in_order=False)
+                del recs
         finally:
             if enabled:
                 gc.enable()
@@ -231,11 +235,21 @@ class Trace:
         del ts
         t0 = lo
         tr = cls(start=t0, end=hi - t0, source=source, skipped=bad)
-        tr.requests, tr.calls, end, failed = _requests(reqs, t0)
+        failed: list[dict[str, Any]] = []
+        tr.calls, end = _requests(reqs, t0, tr.requests, failed)
+        tr.requests.sort(key=_Q_T)
         tr.skipped += len(failed)
         del reqs
         if not in_order:
             others.sort(key=_T)
+        tr._others(others, end)
+        return tr
+
+    def _others(self, others: list[dict[str, Any]], end: float) -> None:
+        """The records other than requests, in time order (`_add`); the
+        trace's end (the latest recorded request's, `end`) and first tier."""
+        tr = self
+        t0 = tr.start
         for r in others:
             k = r.get("k")
             t = float(r["t"]) - t0
@@ -252,7 +266,6 @@ class Trace:
             tr.initial_tier = first_tier[1]
         elif first_sample is not None:
             tr.initial_tier = str(first_sample.get("tier", "normal"))
-        return tr
 
 
 _NUMBERS = {int, float, bool}  # `isinstance(t, int | float)` of what orjson makes
@@ -302,24 +315,24 @@ _new = tuple.__new__
 
 
 def _requests(
-    recs: list[dict[str, Any]], t0: float
-) -> tuple[list[Request], bool, float, list[dict[str, Any]]]:
-    """The request records as `Request`s, sorted by arrival; whether their
-    attempts carry the backend call's instant; the latest recorded end; the
-    records that are not requests (skipped).
+    recs: list[dict[str, Any]], t0: float, out: list[Request], failed: list[dict[str, Any]]
+) -> tuple[bool, float]:
+    """The request records as `Request`s, appended to `out` in the order
+    given (not sorted); the records that are not requests to `failed`
+    (skipped). Whether their attempts carry the backend call's instant; the
+    latest recorded end.
 
     Hot (a day of traffic is millions): one loop, no call per record for
     what the flight recorder always writes (every key, one attempt); any
     other record goes through `_request`, the reference, and a fast
     conversion that would differ from it raises instead and goes there too."""
-    out: list[Request] = []
     add = out.append
-    failed: list[dict[str, Any]] = []
     calls = False
     end = -math.inf
     new = _new
     req, att_t = Request, Attempt
     fields = _REQ
+    intern = sys.intern
     for r in recs:
         try:
             t, att, pri, st, ep, cl, pt, n, mt, be, s, o, ttft, d, rt, res, sid = fields(r)
@@ -330,6 +343,9 @@ def _requests(
             if type(a0) is not list:
                 raise _Slow
             b, kind, a_s, fault, a_ttft, a_end, call = a0
+            # (Strings that repeat, interned: one object each, not millions
+            # of copies; not a string: `_request` decides.)
+            b, kind = intern(b), intern(kind)
             if a_end is None:
                 a_end = 0.0
             start = t + (0.0 if call is None else call)
@@ -350,16 +366,16 @@ def _requests(
                     req,
                     (
                         t,
-                        pri,
+                        intern(pri),
                         st is True,
-                        ep,
-                        cl or "",
+                        intern(ep),
+                        intern(cl) if cl else "",
                         pt or 1,
                         n,
                         (a,),
-                        be,
+                        intern(be),
                         s,
-                        o,
+                        intern(o),
                         ttft,
                         d,
                         res is True,
@@ -384,8 +400,80 @@ def _requests(
             x = q.t + q.duration
         if x > end:
             end = x
-    out.sort(key=_Q_T)
-    return out, calls, end, failed
+    return calls, end
+
+
+def _chunked(cls: type[Trace], reader: Reader, files: list[Path], source: str) -> Trace | None:
+    """`Trace._build` of the files' records, a chunk of lines at a time:
+    each chunk's requests converted as soon as it is parsed (its parsed
+    lines dropped then: a day of them at once is gigabytes), against the
+    first chunk's earliest instant. None if a later chunk holds an earlier
+    one (the instants are relative to the earliest: the caller reads the
+    records all at once instead). The same trace as `_build`'s: the same
+    filtering per record, the same earliest and latest instants (the first
+    of equal values), the requests in the same order before their stable
+    sort."""
+    loads = orjson.loads
+    reqs: list[Request] = []
+    failed: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = []
+    bad = 0
+    calls = False
+    end = -math.inf
+    lo: Any = None
+    hi: Any = None
+    for f in files:
+        for lines in reader.raw_chunks(f):
+            try:
+                recs: list[Any] = list(map(loads, lines))
+            except orjson.JSONDecodeError:
+                recs = []
+                for ln in lines:
+                    try:
+                        recs.append(loads(ln))
+                    except orjson.JSONDecodeError:
+                        reader.skipped += 1
+            try:
+                ts: list[Any] = list(map(_get, recs, repeat("t")))
+                ok = set(map(type, ts)) <= _NUMBERS
+            except TypeError:
+                ok = False
+            if not ok:
+                valid = [r for r in recs if type(r) is dict and type(r.get("t")) in _NUMBERS]
+                bad += len(recs) - len(valid)
+                recs = valid
+                ts = list(map(_get, recs, repeat("t")))
+            ks = list(map(_get, recs, repeat("k")))
+            if "seg" in ks:
+                ts = [t for t, k in zip(ts, ks, strict=True) if k != "seg"]
+            if ts:
+                a, b = min(ts), max(ts)
+                if lo is None:
+                    lo, hi = a, b
+                else:
+                    if a < lo:
+                        if reqs or failed:
+                            return None
+                        lo = a
+                    if b > hi:
+                        hi = b
+            is_req = list(map(eq, ks, repeat("req")))
+            if True in is_req:
+                c, e = _requests(list(compress(recs, is_req)), lo, reqs, failed)
+                calls = calls or c
+                if e > end:
+                    end = e
+                others += compress(recs, map(not_, is_req))
+            else:
+                others += recs
+    if lo is None:
+        raise ValueError(f"{source or 'trace'}: no records")
+    tr = cls(start=lo, end=hi - lo, source=source, skipped=bad + len(failed))
+    reqs.sort(key=_Q_T)
+    tr.requests, tr.calls = reqs, calls
+    others.sort(key=_T)
+    tr._others(others, end)
+    return tr
 
 
 class _Slow(Exception):

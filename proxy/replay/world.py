@@ -68,6 +68,7 @@ random (seeded). The proxy's ~1 ms of own work is ignored.
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import math
 import random
@@ -75,7 +76,8 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import repeat
+from operator import itemgetter, sub
 from typing import NamedTuple
 
 from proxy.replay.trace import BACKENDS, Attempt, Cond, EngineSample, Probe, Request, Trace
@@ -459,17 +461,36 @@ class World:
 
 class _Seen:
     """What the recording holds about one backend, gathered in one pass over
-    the requests (a day of traffic is millions of them)."""
+    the requests (a day of traffic is millions of them): a list per field,
+    no object per answer."""
 
     def __init__(self) -> None:
-        self.attempts: list[Attempt] = []  # of requests not refused for their own sake
-        self.evidence: list[tuple[float, str, str]] = []  # theirs (`_evidence`), unsorted
+        # Attempts other than answers (status < 400), of requests not refused
+        # for their own sake.
+        self.attempts: list[Attempt] = []
+        # The evidence (`_evidence`, unsorted): every instant in the order
+        # taken; the pieces other than `ok` as (instant, its position in
+        # `ev_t`, class, fault).
+        self.ev_t: list[float] = []
+        self.rare: list[tuple[float, int, str, str]] = []
         self.starts: list[float] = []  # of every attempt that was sent
         self.ends: list[float] = []
-        # Answers (status < 400): start, end, TTFT, stream, refused for its
-        # own sake, tokens out, the request.
-        self.answered: list[tuple[float, float, float | None, bool, bool, int, Request]] = []
+        # Answers (status < 400) of requests not refused for their own sake:
+        # start, end, TTFT, the request.
+        self.a_start: list[float] = []
+        self.a_end: list[float] = []
+        self.a_ttft: list[float | None] = []
+        self.a_q: list[Request] = []
+        self.wholes: list[float] = []  # every answer's time, refused or not
         self.errors: list[float] = []  # seconds failures (not timeouts) took
+
+    def evidence(self, ev: list[tuple[float, str, str]]) -> None:
+        """Take pieces of evidence (in order)."""
+        ev_t, rare = self.ev_t, self.rare
+        for t, cls, fault in ev:
+            if cls != OK:
+                rare.append((t, len(ev_t), cls, fault))
+            ev_t.append(t)
 
 
 _NO_EVIDENCE_OF_CUT = ("invalid_output", "idle_timeout")
@@ -478,6 +499,21 @@ _TIMEOUTS = ("first_byte_timeout", "connect_timeout")
 
 def _gather(requests: Sequence[Request], idle_s: float) -> dict[str, _Seen]:
     seen = {name: _Seen() for name in BACKENDS}
+    # Per backend, the lists' appends (bound once).
+    cols = {
+        name: (
+            d,
+            d.starts.append,
+            d.ends.append,
+            d.wholes.append,
+            d.a_start.append,
+            d.a_end.append,
+            d.a_ttft.append,
+            d.a_q.append,
+            d.ev_t.append,
+        )
+        for name, d in seen.items()
+    }
     for q in requests:
         atts = q.attempts
         if not atts:
@@ -488,31 +524,53 @@ def _gather(requests: Sequence[Request], idle_s: float) -> dict[str, _Seen]:
         )
         for a in atts:
             b, kind, a_status, fault, ttft, start, end = a
-            d = seen.get(b)
-            if d is None:
+            c = cols.get(b)
+            if c is None:
                 continue
+            d, starts, ends, wholes, a_start, a_end, a_ttft, a_q, ev_t = c
             if kind != "shed":
-                d.starts.append(start)
-                d.ends.append(end)
+                starts(start)
+                ends(end)
             if kind == "answered" and a_status < 400:
-                d.answered.append((start, end, ttft, q.stream, intrinsic, q.tokens_out, q))
+                wholes(end - start)
                 if not intrinsic:
-                    d.attempts.append(a)
+                    a_start(start)
+                    a_end(end)
+                    a_ttft(ttft)
+                    a_q(q)
                     # (`_evidence`, inline for the answers: all but a few)
-                    ev = d.evidence
-                    ev.append((start, OK, ""))
+                    ev_t(start)
                     if ttft is not None:
-                        ev.append((start + ttft, OK, ""))
+                        ev_t(start + ttft)
                 continue
             if kind == "failed" and fault not in _TIMEOUTS:
                 d.errors.append(end - start)
             if not intrinsic:
                 d.attempts.append(a)
-                _attempt_evidence(d.evidence, a, idle_s)
+                ev: list[tuple[float, str, str]] = []
+                _attempt_evidence(ev, a, idle_s)
+                d.evidence(ev)
     return seen
 
 
-def build_world(trace: Trace, idle_s: float = 30.0) -> World:
+def build_world(trace: Trace, idle_s: float = 30.0, *, freeze: bool = False) -> World:
+    """The backends' model of `trace`. Millions of small tuples and lists of
+    floats, none in a cycle: the collector stays off while they are made
+    (its passes over them were a fifth of the fit); `freeze` as in
+    `Trace.load`."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        world = _build_world(trace, idle_s)
+    finally:
+        if enabled:
+            gc.enable()
+    if freeze:
+        gc.freeze()
+    return world
+
+
+def _build_world(trace: Trace, idle_s: float) -> World:
     notes: list[str] = []
     out: dict[str, BackendWorld] = {}
     conds: dict[str, list[Cond]] = defaultdict(list)
@@ -528,21 +586,21 @@ def build_world(trace: Trace, idle_s: float = 30.0) -> World:
         if conds[name]:
             segments = [Segment(c.t, c.state, c.fault, c.p, c.factor) for c in conds[name]]
         else:
-            ev = d.evidence
+            ev: list[tuple[float, str, str]] = []
             _probe_evidence(ev, probes)
-            ev.sort(key=_EV_T)
-            segments = _segments(ev)
+            d.evidence(ev)
+            segments = _segments_of(d.ev_t, d.rare)
             cuts = sorted(
                 a.end for a in attempts if a.kind == "ended" and a.fault not in _NO_EVIDENCE_OF_CUT
             )
-        d.evidence = []
+        d.ev_t, d.rare = [], []
         gap = _probe_gap(probes)
         bw = BackendWorld(
             name,
             segments=segments,
             probes=probes,
             probe_gap=gap,
-            kills=_kills(segments, cuts, attempts),
+            kills=_kills(segments, cuts, attempts, d.a_start, d.a_end),
         )
         _fit(bw, trace, d, tokens, notes)
         out[name] = bw
@@ -552,14 +610,21 @@ def build_world(trace: Trace, idle_s: float = 30.0) -> World:
 KILL_NEAR_S = 1.0  # streams cut this near a `down` stretch's start died with it
 
 
-def _kills(segments: list[Segment], cuts: list[float], attempts: list[Attempt]) -> list[float]:
+def _kills(
+    segments: list[Segment],
+    cuts: list[float],
+    attempts: list[Attempt],
+    a_start: Sequence[float] = (),
+    a_end: Sequence[float] = (),
+) -> list[float]:
     """When requests in flight died: each `down` stretch entered from a
     working state kills at the first stream cut from just before its start
     to its end (the cut is the fact; a refused probe can come earlier: a
     port closes before the server drops the streams it has); with no cut
     in it, at its start — unless a recorded answer was in flight across
     that start and finished (the server stopped taking requests but
-    finished the ones it had: no kill)."""
+    finished the ones it had: no kill). The answers: `attempts`' and those
+    from `a_start` to `a_end`."""
     out: list[float] = []
     survived: list[tuple[float, float]] | None = None  # answers (made when needed)
     prev = "up"
@@ -579,6 +644,7 @@ def _kills(segments: list[Segment], cuts: list[float], attempts: list[Attempt]) 
                         for a in attempts
                         if a.kind == "answered" and a.status < 500
                     ]
+                    survived += zip(a_start, a_end, strict=True)
                 if not any(a < s.start < b for a, b in survived):
                     out.append(s.start)
         prev = s.state
@@ -659,32 +725,52 @@ def infer_segments(
 
 
 def _segments(ev: list[tuple[float, str, str]]) -> list[Segment]:
-    """`infer_segments` of the evidence in time order. Answers (`ok`) are
-    all but a few of it and change nothing while the backend is up: the
-    loops visit the rest, and each run of answers between two of them as
-    one (its first and last instants)."""
+    """`infer_segments` of the evidence in time order."""
     times = list(map(_EV_T, ev))
-    classes = list(map(_EV_CLS, ev))
+    return _segments_at(times, {i: e for i, e in enumerate(ev) if e[1] != OK})
+
+
+def _segments_of(ev_t: list[float], rare: list[tuple[float, int, str, str]]) -> list[Segment]:
+    """`_segments` of the evidence in `_Seen`'s columns: its instants in the
+    order taken, the pieces other than `ok` with their positions there. The
+    order `_segments` takes is the stable sort by instant: the instants
+    sorted, each other piece at its place among them (a tie: after the
+    pieces of its instant taken before it)."""
+    times = sorted(ev_t)
+    rev: dict[int, tuple[float, str, str]] = {}
+    left, right = bisect.bisect_left, bisect.bisect_right
+    placed: dict[int, int] | None = None  # (with a tie: every rare piece's place)
+    for t, seq, cls, fault in rare:
+        i = left(times, t)
+        if right(times, t) - i > 1:
+            if placed is None:
+                seqs = {x[1] for x in rare}
+                order = sorted(range(len(ev_t)), key=ev_t.__getitem__)
+                placed = {k: p for p, k in enumerate(order) if k in seqs}
+                del order
+            i = placed[seq]
+        rev[i] = (t, cls, fault)
+    return _segments_at(times, rev)
+
+
+def _segments_at(times: list[float], rev: dict[int, tuple[float, str, str]]) -> list[Segment]:
+    """`_segments` of the evidence in time order given as its instants and
+    the pieces other than answers by position. Answers (`ok`) are all but a
+    few of it and change nothing while the backend is up: the loops visit
+    the rest, and each run of answers between two of them as one (its
+    first and last instants)."""
     # Positions of the evidence other than answers, in order.
-    rare = (
-        [] if classes.count(OK) == len(classes) else [i for i, c in enumerate(classes) if c != OK]
-    )
-    n = len(ev)
+    rare = sorted(rev)
+    n = len(times)
     sporadic: set[int] = set()
     for i in rare:
-        t, cls, _ = ev[i]
+        t, cls, _ = rev[i]
         if cls != ERROR:
             continue
         # The evidence just before and just after (strictly earlier, later).
         j = bisect.bisect_left(times, t) - 1
         k = bisect.bisect_right(times, t)
-        if (
-            j >= 0
-            and k < n
-            and classes[j] == OK
-            and classes[k] == OK
-            and times[k] - times[j] <= SPORADIC_S
-        ):
+        if j >= 0 and k < n and j not in rev and k not in rev and times[k] - times[j] <= SPORADIC_S:
             sporadic.add(i)
     # The background error share per bin, from sporadic errors among answers.
     fails: dict[int, int] = defaultdict(int)
@@ -692,9 +778,9 @@ def _segments(ev: list[tuple[float, str, str]]) -> list[Segment]:
     fault_of: dict[int, str] = {}
     for i in rare:
         if i in sporadic:
-            b = int(ev[i][0] // ERROR_BIN_S)
+            b = int(rev[i][0] // ERROR_BIN_S)
             fails[b] += 1
-            fault_of[b] = ev[i][2]
+            fault_of[b] = rev[i][2]
     for b in fails:
         # The answers in [b, b + 1) bins: the evidence there less the rest.
         lo = bisect.bisect_left(times, b * ERROR_BIN_S)
@@ -716,7 +802,7 @@ def _segments(ev: list[tuple[float, str, str]]) -> list[Segment]:
         nxt = i + 1
         if i == n or i in sporadic:
             continue
-        t, cls, f = ev[i]
+        t, cls, f = rev[i]
         new = _STATE[cls]
         new_fault = _FAULT.get(cls, "") if cls != ERROR else (f or "http_500")
         if cls == REFUSED:
@@ -762,49 +848,47 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
     model = trace.models.get(name, {})
     bw.engine = list(trace.engine) if name == "primary" else []
     running = [e.running for e in bw.engine]
-    answers: list[tuple[float, int, float, float]] = []  # start, n, ttft, tpot
-    wholes: list[float] = []
-    keep, keep_whole = answers.append, wholes.append
+    # Each answer's requests in flight at its start (counting it, at least 1).
     right = bisect.bisect_right
+    starts = d.a_start
+    ats = [x + 1e-6 for x in starts]
+    ks = list(map(sub, map(right, repeat(n_s), ats), map(right, repeat(n_e), ats)))
+    del ats
+    if ks and min(ks) < 1:
+        ks = [k if k >= 1 else 1 for k in ks]
+    firsts: list[float] = []  # TTFT (or the whole time)
+    tpots: list[float] = []  # time per token (0: not a stream)
+    keep_first, keep_tpot = firsts.append, tpots.append
     recorded = bw._recorded
-    for start, end, ttft, stream, intrinsic, tokens_out, q in d.answered:
+    for start, end, ttft, q, k in zip(starts, d.a_end, d.a_ttft, d.a_q, ks, strict=True):
         x = end - start
-        keep_whole(x)
-        if intrinsic:
-            continue
         whole = x if x > 1e-4 else 1e-4  # (max(1e-4, x), min(), max(): inline, the same)
+        stream = q[2]  # (q.stream, q.tokens_out: by position)
         ft = -1.0 if ttft is None else ttft
         first = ft if stream and ft >= 0 else whole
         if whole < first:
             first = whole
-        tpot = (whole - first) / (tokens_out if tokens_out > 1 else 1) if stream else 0.0
-        at = start + 1e-6
-        k = right(n_s, at) - right(n_e, at)
-        if k < 1:
-            k = 1
-        keep((start, k, first, tpot))
+        keep_first(first)
+        keep_tpot((whole - first) / (q[6] if q[6] > 1 else 1) if stream else 0.0)
         # What `latency` takes of the request's (first) answer here.
         key = id(q)
         if key not in recorded:
             ft = ttft if stream and ttft is not None else whole
             recorded[key] = (whole if whole < ft else ft, whole, k)
-    d.answered = []
-    bw.observed = len(answers)
-    seen_top = max((x[1] for x in answers), default=0)
+    wholes = d.wholes
+    d.a_end, d.a_ttft, d.a_q, d.wholes = [], [], [], []
+    bw.observed = len(firsts)
+    seen_top = max(ks, default=0)
     cap = model.get("capacity") or (max(running) if running and max(running) > 0 else 0.0)
     bw.capacity = float(cap or seen_top or DEFAULTS["capacity"])
     ttft_pts: dict[int, list[float]] = defaultdict(list)
     tpot_pts: dict[int, list[float]] = defaultdict(list)
-    for _, k, ft, tp in answers:
+    for k, ft, tp in zip(ks, firsts, tpots, strict=True):
         ttft_pts[k].append(ft)
         if tp > 0:
             tpot_pts[k].append(tp)
-    med_ttft = (
-        statistics.median([x[2] for x in answers])
-        if answers
-        else model.get("ttft_s", DEFAULTS["ttft_s"])
-    )
-    tp_all = [x[3] for x in answers if x[3] > 0]
+    med_ttft = statistics.median(firsts) if firsts else model.get("ttft_s", DEFAULTS["ttft_s"])
+    tp_all = [x for x in tpots if x > 0]
     med_tpot = statistics.median(tp_all) if tp_all else model.get("tpot_s", DEFAULTS["tpot_s"])
     mean_service = statistics.median(wholes) if wholes else med_ttft + tokens * med_tpot
     queue_slope = mean_service / bw.capacity
@@ -812,7 +896,7 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
         ttft_pts, queue_slope if not model else model.get("queue_s", queue_slope), med_ttft
     )
     bw.tpot = Curve(tpot_pts, 0.0, med_tpot)
-    if "ttft_s" in model and not answers:
+    if "ttft_s" in model and not firsts:
         # A scenario: TTFT grows by `slope_s` per request in flight beyond the capacity.
         bw.ttft = _model_curve(model["ttft_s"], model.get("slope_s", queue_slope), bw.capacity)
         bw.tpot = _model_curve(
@@ -824,9 +908,10 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
     top = max(seen_top, 1)
     ttft_at = [0.0, *map(bw.ttft, range(1, top + 1))]
     tpot_at = [0.0, *map(bw.tpot, range(1, top + 1))]
-    bw._res_t = [x[0] for x in answers]
-    bw._res_ttft = [ft - ttft_at[k] for _, k, ft, _ in answers]
-    bw._res_tpot = [tp - tpot_at[k] if tp > 0 else 0.0 for _, k, _, tp in answers]
+    bw._res_t = starts
+    d.a_start = []
+    bw._res_ttft = [ft - ttft_at[k] for ft, k in zip(firsts, ks, strict=True)]
+    bw._res_tpot = [tp - tpot_at[k] if tp > 0 else 0.0 for tp, k in zip(tpots, ks, strict=True)]
     if bw.engine and len(bw.engine) > 3:
         xs = [e.running for e in bw.engine]
         ys = [e.kv for e in bw.engine]
@@ -836,7 +921,7 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
             bw.kv_slope = max(
                 0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
             )
-    if not answers and not model:
+    if not firsts and not model:
         notes.append(
             f"no answers of the {name} were recorded: its latency is a default "
             f"({DEFAULTS['ttft_s']} s to the first token)"

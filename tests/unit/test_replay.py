@@ -294,3 +294,27 @@ def test_a_long_trace_replays_its_candidate_in_a_forked_process(
     side_by_side = run_replay(cand, scenario="engine-death").report
     for key in ("baseline", "candidate"):
         assert side_by_side[key] == one_by_one[key]
+
+
+def test_a_long_trace_file_forks_its_candidate_before_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace file past PARALLEL_MIN requests by its size (40 bytes a
+    request) has its candidate's process forked before it is read: the
+    fork after the reading (`_both`) is not taken, and the figures are the
+    one-process replay's."""
+    from proxy.replay import main as replay_main
+
+    path = Path(__file__).parents[1] / "fixtures" / "recordings" / "recording-drill-1.jsonl.gz"
+    assert replay_main._estimate(str(path)) == path.stat().st_size / 40
+    cand = parse_policy(NO_RESCUE, env={})
+    one_by_one = run_replay(cand, trace_path=str(path)).report
+    monkeypatch.setattr(replay_main, "PARALLEL_MIN", 10)
+
+    def not_this_way(*args: object, **kw: object) -> None:
+        raise AssertionError("forked after the reading")
+
+    monkeypatch.setattr(replay_main, "_both", not_this_way)
+    early = run_replay(cand, trace_path=str(path)).report
+    for key in ("baseline", "candidate", "recorded", "fidelity", "model"):
+        assert early[key] == one_by_one[key]

@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
+from proxy.replay import trace as trace_mod
 from proxy.replay.trace import Trace, _request
+from proxy.telemetry import recording
 from proxy.telemetry.recording import Reader, read_trace
 
 T = 1_767_225_600.0
@@ -124,3 +127,51 @@ def test_a_recording_loads_as_the_reference_reading_gives_it(tmp_path: Path) -> 
     assert [p.t for p in tr.probes] == [T + 1.5 - t0]
     assert tr.ticks == [T + 1 - t0]
     assert [t for t, _ in tr.limits] == [float(int(T) + 4) - t0]
+
+
+def test_a_recording_read_a_few_lines_at_a_time_loads_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests are converted a chunk of lines at a time, against the first
+    chunk's earliest instant: a later chunk with an earlier record (the
+    fixture's `late` member) sends the whole reading back to the records
+    all at once; the trace is the same either way."""
+    d = tmp_path / "rec"
+    _recording(d)
+    whole = Trace.load(d)
+    monkeypatch.setattr(recording, "READ_CHUNK", 64)  # a few lines a chunk
+    seen: list[object] = []
+    real = trace_mod._chunked
+
+    def spy(*args: Any) -> object:
+        out = real(*args)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(trace_mod, "_chunked", spy)
+    chunked = Trace.load(d)
+    assert seen == [None]  # (the late records: read again all at once)
+    assert repr(chunked) == repr(whole)
+
+
+def test_a_trace_in_time_order_is_converted_chunk_by_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = [orjson.dumps({"k": "policy", "t": T, "hash": "h", "knobs": {}})]
+    lines += [_req(0.1 * i, sid="s1" if i % 3 else None) for i in range(200)]
+    lines.insert(50, b"not json")
+    lines.insert(90, orjson.dumps({"k": "tick", "t": T + 3}))
+    lines.insert(120, _req(5.0, s="200"))  # not readable
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(_member(lines[:100]) + _member(lines[100:]))
+    reader = Reader()
+    whole = Trace._build(trace_mod._parsed(reader, path), str(path), in_order=False)
+    whole.skipped += reader.skipped  # (as `load` does)
+    monkeypatch.setattr(recording, "READ_CHUNK", 32)
+    assert len(list(Reader().raw_chunks(path))) > 10
+    reader = Reader()
+    chunked = trace_mod._chunked(Trace, reader, [path], str(path))
+    assert chunked is not None
+    chunked.skipped += reader.skipped
+    assert repr(chunked) == repr(whole)
+    assert chunked.skipped == 2 and len(chunked.requests) == 200

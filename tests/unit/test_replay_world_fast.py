@@ -26,7 +26,9 @@ from proxy.replay.world import (
     SPORADIC_S,
     BackendWorld,
     Segment,
+    _Seen,
     _segments,
+    _segments_of,
 )
 
 
@@ -108,6 +110,20 @@ _piece = st.tuples(
 def test_the_condition_timeline_is_the_plain_passes(ev: list[tuple[float, str, str]]) -> None:
     ev = sorted(ev, key=lambda e: e[0])
     assert repr(_segments(ev)) == repr(_reference_segments(ev))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_piece, max_size=80))
+def test_the_timeline_from_the_evidence_columns_is_the_sorted_evidence_s(
+    ev: list[tuple[float, str, str]],
+) -> None:
+    """`_gather` keeps the evidence as its instants in the order taken and
+    the pieces other than answers apart: placed back in the stable sort by
+    instant (ties too), they give the timeline of the sorted evidence."""
+    seen = _Seen()
+    seen.evidence(ev)
+    want = _segments(sorted(ev, key=lambda e: e[0]))
+    assert repr(_segments_of(seen.ev_t, seen.rare)) == repr(want)
 
 
 def _quarter(k: int) -> float:
