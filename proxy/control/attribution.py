@@ -128,6 +128,9 @@ class Ledger:
     last_probe_at: float | None = None
     last_probe_ok: bool | None = None
     held: list[Held] = field(default_factory=list)  # waiting for the probe out now
+    # How many of `held` were there when the probe out now started: a failure
+    # held after that is not judged by a probe that failed before it came.
+    started_with: int = 0
     streak: list[Held] = field(default_factory=list)  # counted by the breaker, unjudged
     absolved: int = 0  # failures charged to their requests after a good probe
     corroborated: int = 0  # probes that confirmed a backend failure
@@ -163,14 +166,24 @@ class Ledger:
         self.probing = True
         self.last_probe_at = now
         self.probes += 1
+        self.started_with = len(self.held)
 
-    def probe_done(self, ok: bool) -> list[Held]:
+    def probe_done(self, ok: bool, *, all_held: bool = False) -> list[Held]:
         """The probe's verdict: the failures it judges (held and the streak's),
-        the requests' when `ok`, else the backend's."""
+        the requests' when `ok`, else the backend's. A failed probe judges
+        only the failures held when it started: one held after that may have
+        come after the backend recovered (a client's poison request while the
+        probe was out) and stays held for the next probe (`all_held`: judge
+        them all, e.g. shutting down)."""
         self.probing = False
         self.last_probe_ok = ok
-        judged = self.streak + self.held
-        self.held, self.streak = [], []
+        if ok or all_held:
+            judged = self.streak + self.held
+            self.held = []
+        else:
+            judged = self.streak + self.held[: self.started_with]
+            self.held = self.held[self.started_with :]
+        self.streak = []
         if ok:
             self.absolved += len(judged)
         else:

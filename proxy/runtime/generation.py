@@ -450,14 +450,17 @@ class Runtime:
         """A failure charged to the request or to load: counted, never judged."""
         self.metrics.failures.labels(up.name, attribution, fault).inc()
 
-    async def _corroborate(self, up: Upstream, b: BackendBreaker, led: Ledger) -> None:
+    async def _corroborate(
+        self, up: Upstream, b: BackendBreaker, led: Ledger, since: float | None = None
+    ) -> None:
         """The ledger held suspect failures that would open `b`: ask the
-        backend's recovery probe (for the breaker's model, or the traffic's)."""
+        backend's recovery probe (for the breaker's model, or the traffic's;
+        `since`: one started at or after that loop time)."""
         try:
-            why = await up.shared_probe(b.model)
+            why = await up.shared_probe(b.model, since)
         except asyncio.CancelledError:
             # Shutting down (or a reload's cleanup): no verdict, nothing opens.
-            for h in led.probe_done(False):
+            for h in led.probe_done(False, all_held=True):
                 self._charge_backend(up, h.fault)
             raise
         ok = None if isinstance(why, ProbeMisconfigured) else why is None
@@ -478,6 +481,12 @@ class Runtime:
         if held and b.state != "open":
             h = held[-1]
             self._count_failure(up, b, None, h.fault, f"{h.detail} ({probe})".strip())
+        if led.held:
+            # Failures held after the failed probe had started: a probe of
+            # their own judges them (the backend may have recovered meanwhile).
+            led.start_probe(self.clock())
+            since = asyncio.get_running_loop().time()
+            self.spawn(self._corroborate(up, b, led, since), f"corroborate_{up.name}")
 
     def _absolved(self, up: Upstream, held: list[Held], why: str) -> None:
         for h in held:

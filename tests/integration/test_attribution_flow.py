@@ -423,3 +423,48 @@ async def test_a_poison_request_as_the_half_open_trial_does_not_keep_a_recovered
     m = await metrics(proxy)
     assert total(m, "brownout_failures_total", backend="primary", attribution="backend") == 3
     assert total(m, "brownout_failures_total", backend="primary", attribution="request") == 1
+
+
+async def test_a_poison_request_held_while_a_failing_probe_is_out_is_judged_by_the_next(
+    fake_upstream: FakeUpstream, fallback_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """The primary really broke: its third failure sends the corroboration
+    probe, which hangs and then fails. While it is out the primary recovers
+    and one client's poison request fails there: that failure came after the
+    probe started, so the failed probe does not judge it — a probe of its own
+    does, passes, and it is the request's. The outage's failures are the
+    backend's, and its breaker opens."""
+    state = {"broken": True}
+    probe_out = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        if "top_p" in body:  # poison, in any state
+            return web.json_response({"error": {"message": "inf, nan"}}, status=500)
+        if state["broken"]:
+            if body.get("max_tokens") == 1:  # the recovery probe (1-token chat)
+                probe_out.set()
+                await asyncio.sleep(0.5)
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return await fallback_answer(request)
+
+    fake_upstream.handlers[CHAT] = chat
+    fallback_upstream.handlers[CHAT] = fallback_answer
+    extra = {"ladder": {"breaker": {"fail_max": 3}, "failover": {"retry_max": 0}}}
+    proxy = await start_proxy(policy(fake_upstream.url, fallback_upstream.url, extra=extra))
+    rt = proxy.app[STATE].current
+    primary = rt.upstreams["primary"]
+    for _ in range(3):
+        status, headers, _ = await post(proxy, PLAIN)
+        assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
+    await asyncio.wait_for(probe_out.wait(), 5)
+    state["broken"] = False  # recovered while the probe is out
+    status, headers, _ = await post(proxy, POISON)
+    assert (status, headers["X-Brownout-Backend"]) == (200, "fallback")
+    led = primary.judge.ledger(primary.breaker)
+    await wait_until(lambda: primary.breaker.state == "open")
+    await wait_until(lambda: not led.probing and not led.held)
+    m = await metrics(proxy)
+    assert total(m, "brownout_failures_total", backend="primary", attribution="backend") == 3
+    assert total(m, "brownout_failures_total", backend="primary", attribution="request") == 1
+    assert total(m, "brownout_corroborations_total", backend="primary", result="absolved") == 1

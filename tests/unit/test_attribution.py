@@ -85,6 +85,25 @@ def test_ledger_after_a_failed_probe_records() -> None:
     assert led.decide(1.0, "a", would_open=True) == "record"
 
 
+def test_a_failed_probe_judges_only_the_failures_held_when_it_started() -> None:
+    """A failure held while the probe is out may come after the backend
+    recovered: a failed probe leaves it held for a probe of its own."""
+    led = Ledger(window_s=10.0)
+    led.suspect(held("a", "s1"))
+    led.held.append(held("a", "r1"))
+    led.start_probe(0.0)
+    led.held.append(held("b", "late"))  # while the probe is out
+    assert [h.rid for h in led.probe_done(ok=False)] == ["s1", "r1"]
+    assert [h.rid for h in led.held] == ["late"] and led.streak == []
+    led.start_probe(1.0)
+    assert [h.rid for h in led.probe_done(ok=True)] == ["late"] and led.held == []
+    # Shutting down: every held failure is judged at once.
+    led.held.append(held("a", "x"))
+    led.start_probe(2.0)
+    led.held.append(held("a", "y"))
+    assert [h.rid for h in led.probe_done(ok=False, all_held=True)] == ["x", "y"]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 5), st.booleans()), max_size=60))
 def test_one_client_never_opens_a_breaker_whose_probe_passes(
