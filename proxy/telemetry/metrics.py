@@ -535,12 +535,12 @@ class Metrics:
             registry=r,
         )
 
-        self.session_ops = Counter(
+        self.session_ops = LiteCounter(  # two per session request, on the loop
             "brownout_session_ops",
             "Session store operations by result (ok, unavailable, queued, late, rejected, "
             "limit: a new session past sessions.max_sessions_per_client).",
-            ["op", "result"],
-            registry=r,
+            ("op", "result"),
+            r,
         )
         self.session_saves_waiting = Gauge(
             "brownout_session_saves_waiting",
