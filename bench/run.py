@@ -47,6 +47,10 @@ LITELLM_VENV = Path(
     os.environ.get("BROWNOUT_LITELLM_VENV", Path.home() / ".cache/brownout/litellm-venv")
 )
 RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+# The commit issue 24 measured ("43 % of the bare relay"): run beside this tree.
+BEFORE_REV = "8c097b4"
+HEADLINE = ("<!-- bench-headline: written by a full bench/run.py -->", "<!-- /bench-headline -->")
 LITELLM_ENV = {"LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
@@ -223,6 +227,17 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 64 only, 3 s runs")
     ap.add_argument("--streams", type=int, default=500, help="open streams for the memory test")
+    ap.add_argument(
+        "--before",
+        default=BEFORE_REV,
+        help="a git revision measured in the same run as 'brownout @REV' (issue 24's "
+        "before/after); '' to skip",
+    )
+    ap.add_argument(
+        "--no-readme",
+        action="store_true",
+        help="leave README.md's headline alone (a full run regenerates it; --quick never does)",
+    )
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         print("wrk is missing: apt-get install wrk", file=sys.stderr)
@@ -236,6 +251,7 @@ def main() -> int:
     wait_port(up_port)
     results: dict[str, dict[str, dict[int, Sample]]] = {}
     extra: dict[str, str] = {}
+    before = export_tree(args.before, tmp / "before") if args.before else None
     try:
         for kind in ("short", "long"):
             paths: list[Path_] = [
@@ -254,12 +270,14 @@ def main() -> int:
             paths.append(
                 Path_("bare aiohttp", f"http://127.0.0.1:{bare}/v1/chat/completions", p.pid)
             )
-            variants = (
-                ("brownout", False, True),
-                ("brownout (guard off)", False, False),
-                ("brownout+redis sessions", True, True),
-            )
-            for i, (name, sessions, guard) in enumerate(variants):
+            variants: list[tuple[str, bool, bool, Path]] = [
+                ("brownout", False, True, ROOT),
+                ("brownout (guard off)", False, False, ROOT),
+                ("brownout+redis sessions", True, True, ROOT),
+            ]
+            if before is not None:
+                variants.append((f"brownout @{args.before}", False, True, before))
+            for i, (name, sessions, guard, tree) in enumerate(variants):
                 port = free_port()
                 pol = brownout_policy(
                     tmp, f"http://127.0.0.1:{up_port}/{kind}", f"{kind}{i}", sessions, guard
@@ -267,7 +285,8 @@ def main() -> int:
                 p = subprocess.Popen(
                     serve_cmd(pol, port),
                     stderr=subprocess.DEVNULL,
-                    cwd=ROOT,
+                    cwd=tree,
+                    env={**os.environ, "PYTHONPATH": str(tree)},
                 )  # fmt: skip
                 procs.append(p)
                 env = {"BENCH_SESSIONS": "1"} if sessions else {}
@@ -345,8 +364,97 @@ litellm_settings:
     finally:
         stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
-    write_report(results, extra, concs, duration)
+    write_report(results, extra, concs, duration, args.before)
+    if not args.quick and not args.no_readme:
+        write_headline(results, extra)
     return 0
+
+
+def headline_rows(
+    results: dict[str, dict[str, dict[int, Sample]]], extra: dict[str, str]
+) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) of issue 24's goals from one run."""
+    rows: list[tuple[str, str, bool | None]] = []
+    for kind, chunks, goal in (("short", 16, 0.60), ("long", 1024, 0.55)):
+        res = results.get(kind, {})
+        bo, bare = res.get("brownout"), res.get("bare aiohttp")
+        if bo and bare:
+            r = best(bo) / best(bare)
+            target = f"≥ {goal * 100:.0f} % of the bare relay's best req/s, {chunks:,}-chunk"
+            target += " streams"
+            rows.append((target, f"{r:.0%}", r >= goal))
+    for kind, chunks in (("short", 16), ("long", 1024)):
+        res = results.get(kind, {})
+        a = added_ratio(res, "brownout")
+        if a is not None:
+            ms = res["brownout"][1].p50_ms - res["direct"][1].p50_ms
+            bare_ms = res["bare aiohttp"][1].p50_ms - res["direct"][1].p50_ms
+            rows.append((f"added latency at c=1 ≤ 1.5 × the bare relay's (wrk), {chunks:,}-chunk",
+                         f"{a:.2f} × ({ms:.2f} ms vs {bare_ms:.2f} ms)", a <= 1.5))  # fmt: skip
+    short = results.get("short", {})
+    bs, bare = short.get("brownout+redis sessions"), short.get("bare aiohttp")
+    if bs and bare:
+        r = best(bs) / best(bare)
+        rows.append(("≥ 45 % of the bare relay with Redis sessions on (16-chunk)", f"{r:.0%}",
+                     r >= 0.45))  # fmt: skip
+    mem = extra.get("memory per open stream (brownout)")
+    if mem:
+        rows.append(("memory per open stream ≤ 64 KB", mem, float(mem.split()[0]) <= 62.5))
+    bo, ll = short.get("brownout"), short.get("litellm")
+    if bo and ll:
+        x = best(bo) / best(ll)
+        rows.append(("≥ 50 × LiteLLM's requests/s (16-chunk)", f"{x:.0f} ×", x >= 50))
+    ng = short.get("nginx")
+    if bo and ng:
+        rows.append(("nginx (the C ceiling; no target)", f"Brownout = {best(bo) / best(ng):.0%}",
+                     None))  # fmt: skip
+    return rows
+
+
+def write_headline(results: dict[str, dict[str, dict[int, Sample]]], extra: dict[str, str]) -> None:
+    """README.md's headline table from this (full) run, between its markers."""
+    text = README.read_text()
+    start, end = HEADLINE
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        print("README.md has no bench headline markers: not updated", file=sys.stderr)
+        return
+    when = time.strftime("%Y-%m-%d", time.gmtime())
+    rows = headline_rows(results, extra)
+    table = ["| target | measured | |", "| --- | --- | --- |"] + [
+        f"| {t} | {m} | {'' if ok is None else 'met' if ok else '**not met**'} |"
+        for t, m, ok in rows
+    ]
+    block = "\n".join(
+        [start, f"From the last full `make bench` ({when}, `bench/run.py`):", "", *table, ""]
+    )
+    README.write_text(text[:i] + block + text[j:])
+
+
+def export_tree(rev: str, dest: Path) -> Path | None:
+    """The tree of `rev` (git archive), to run its proxy side by side; None
+    (and a note) where this is no git checkout or the revision is unknown."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev], capture_output=True
+    )
+    if archive.returncode != 0:
+        print(f"--before {rev}: {archive.stderr.decode().strip()}; not measured", file=sys.stderr)
+        return None
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest
+
+
+def best(per: dict[int, Sample]) -> float:
+    return max(s.rps for s in per.values())
+
+
+def added_ratio(res: dict[str, dict[int, Sample]], name: str) -> float | None:
+    """Added p50 latency at c=1 of `name` over the bare relay's (above direct)."""
+    d, b, x = (res.get(n, {}).get(1) for n in ("direct", "bare aiohttp", name))
+    if d is None or b is None or x is None or b.p50_ms <= d.p50_ms:
+        return None
+    return (x.p50_ms - d.p50_ms) / (b.p50_ms - d.p50_ms)
 
 
 def write_report(
@@ -354,6 +462,7 @@ def write_report(
     extra: dict[str, str],
     concs: list[int],
     duration: float,
+    before: str = "",
 ) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -391,10 +500,6 @@ def write_report(
         bo = res.get("brownout", {})
         bare = res.get("bare aiohttp", {})
         ratios = []
-
-        def best(per: dict[int, Sample]) -> float:
-            return max(s.rps for s in per.values())
-
         if bo and bare:
             ratios.append(f"Brownout / bare relay, best req/s: **{best(bo) / best(bare):.0%}**")
             if 1 in bo and 1 in bare and 1 in res.get("direct", {}):
@@ -416,6 +521,14 @@ def write_report(
         if bo and sat in bo:
             events = bo[sat].rps * (chunks + 1)
             ratios.append(f"relay throughput at c={sat}: {events:,.0f} events/s")
+        bb = res.get(f"brownout @{before}", {}) if before else {}
+        if bb and bare:
+            was = added_ratio(res, f"brownout @{before}")
+            ratios.append(
+                f"before ({before}, same run): {best(bb) / best(bare):.0%} of the bare relay"
+                + (f", added latency {was:.2f}×" if was is not None else "")
+                + f"; Brownout now / then, best req/s: {best(bo) / best(bb):.2f}×"
+            )
         go = res.get("brownout (guard off)", {})
         if bo and go:
             ratios.append(
