@@ -39,3 +39,12 @@ def test_drill_6_overload_burst_meets_the_fidelity_goal() -> None:
     assert isinstance(counts, dict) and all(c["ok"] for c in counts.values()), counts
     assert fid["tier_agreement"] >= 0.95, fid  # type: ignore[operator]
     assert fid["trustworthy"], fid["reasons"]
+
+
+def test_every_fidelity_gated_drill_is_a_drill() -> None:
+    """A key of `FIDELITY_GATED` that names no drill gates nothing (drill 6
+    was gated as "overload_burst", its key is "overload": its gate could
+    never fail)."""
+    from tests.chaos.scenarios import DRILLS, FIDELITY_GATED
+
+    assert FIDELITY_GATED <= set(DRILLS), sorted(FIDELITY_GATED - set(DRILLS))
