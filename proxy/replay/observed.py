@@ -34,9 +34,11 @@ import bisect
 import heapq
 from typing import Any
 
+from proxy.control.pressure import Window
 from proxy.policy import Policy, PolicyError
 from proxy.replay.trace import Trace, policy_from_knobs
 
+PRE_MAX_S = 5.0  # (as `Request.overhead`)
 # Attempts that made a backend call (the others never left admission).
 _CALLED = frozenset({"answered", "failed", "ended"})
 
@@ -46,6 +48,11 @@ class ObservedWaits:
 
     def __init__(self, trace: Trace, policy: Policy) -> None:
         self.waits: list[tuple[float, float, bool]] = []  # (call, seconds, counts)
+        # The proxy's own time before the backend call of a request that did
+        # not queue (sessions, trimming's token count, a busy event loop), by
+        # the request's id: in its recorded TTFT, replayed as recorded (a
+        # queued request's is not told apart from its wait: none).
+        self.pre: dict[int, float] = {}
         self.usable = False
         self._fair = False
         knobs = trace.recorded_policy
@@ -55,8 +62,7 @@ class ObservedWaits:
             recorded = policy_from_knobs(knobs)
         except PolicyError:  # a policy this version cannot parse: the waits are modelled
             return
-        if recorded.ladder.throttle != policy.ladder.throttle:
-            return
+        same = recorded.ladder.throttle == policy.ladder.throttle
         self._fair = recorded.ladder.throttle.fair_share
         top = recorded.ladder.throttle.max_inflight
         first = trace.samples[0] if trace.samples else None
@@ -68,8 +74,10 @@ class ObservedWaits:
         self._limit0 = start
         self._tier_t = [0.0, *(t for t, _frm, _to, _why in trace.tiers)]
         self._tier_v = [trace.initial_tier, *(to for _t, _frm, to, _why in trace.tiers)]
-        self.waits = self._rebuild(trace)
-        self.usable = True
+        self._queues = recorded.ladder.throttle.enabled
+        waits = self._rebuild(trace)
+        if same:
+            self.waits, self.usable = waits, True
 
     def limit(self, t: float) -> int:
         i = bisect.bisect_right(self._limit_t, t) - 1
@@ -94,6 +102,7 @@ class ObservedWaits:
         push, pop = heapq.heappush, heapq.heappop
         limit_t, limit_v, limit0 = self._limit_t, self._limit_v, self._limit0
         right = bisect.bisect_right
+        pre, queues = self.pre, self._queues
         for q in trace.requests:  # (a day of traffic: locals, `limit` inline)
             t = q.t
             atts = q.attempts
@@ -115,11 +124,15 @@ class ObservedWaits:
             called = a is not None and a.backend == "primary" and a.kind in _CALLED
             queued = q.outcome == "shed_queue_timeout"
             if not called and not queued:
+                if a is not None and len(atts) == 1 and a.kind in _CALLED:
+                    pre[id(q)] = min(PRE_MAX_S, a.start - t)  # (no admission there)
                 continue
             client = q.client
             i = right(limit_t, t) - 1
-            full = len(held) >= (limit_v[i] if i >= 0 else limit0) or queue_until > t
+            full = queues and (len(held) >= (limit_v[i] if i >= 0 else limit0) or queue_until > t)
             if not full:
+                if called and len(atts) == 1:
+                    pre[id(q)] = min(PRE_MAX_S, a.start - t)
                 if called:
                     push(held, (a.end, client))
                     holds[client] = holds.get(client, 0) + 1  # (`_add`, inline)
@@ -156,3 +169,61 @@ def _add(counts: dict[str, int], key: str, by: int) -> None:
         counts[key] = n
     else:
         counts.pop(key, None)
+
+
+class RecordedBaseline(Window):
+    """The throttle's TTFT baseline window (`PressureMonitor.ttft_base`) with
+    the recorded proxy's history.
+
+    The baseline spans `baseline_window_s` (an hour by default): when the
+    trace begins, the recorded proxy's window already held the TTFTs of the
+    hour before, which the trace does not. Replayed from the trace alone,
+    the baseline is the trace's own TTFTs, and a trace that is all one
+    episode (a burst: its TTFTs are the slow ones) reads its short window
+    against itself — a ratio the recorded proxy never saw (chaos drill 6:
+    the TTFT signal held the recorded throttle for 57 s; without its
+    history the replay let it go after 10). The recording's samples carry
+    the baseline's P95 once a second: for the first `baseline_window_s` of
+    the trace, the replay's baseline is the latest recorded one (its count
+    taken as enough: the recorded proxy had its history), its own after
+    that. Used only when the replayed throttle is the recorded one (the
+    same window, the same marks); limit: a candidate that changes the
+    TTFTs early in the trace changes its short window, not this baseline.
+    """
+
+    def __init__(self, span_s: float, min_samples: int, recorded: list[tuple[float, float]]):
+        super().__init__(span_s)
+        self._min = min_samples
+        self._rec_t = [t for t, _ in recorded]
+        self._rec_v = [v for _, v in recorded]
+
+    def p95(self, now: float) -> tuple[float, int]:
+        own = super().p95(now)
+        if now >= self.span_s:
+            return own
+        i = bisect.bisect_right(self._rec_t, now) - 1
+        if i < 0:
+            return own
+        return self._rec_v[i], max(own[1], self._min)
+
+    @classmethod
+    def of(cls, trace: Trace, policy: Policy) -> RecordedBaseline | None:
+        """The baseline for a replay of `trace` under `policy`, or None (the
+        replay's own: another throttle, no recorded baseline)."""
+        knobs = trace.recorded_policy
+        if knobs is None or trace.synthetic or not trace.samples:
+            return None
+        recorded = [
+            (float(s["t"]), float(s["ttft_base"]))
+            for s in trace.samples
+            if isinstance(s.get("ttft_base"), int | float)
+        ]
+        if not recorded:
+            return None
+        try:
+            throttle = policy_from_knobs(knobs).ladder.throttle
+        except PolicyError:
+            return None
+        if throttle != policy.ladder.throttle:
+            return None
+        return cls(throttle.baseline_window_s, throttle.min_samples, recorded)

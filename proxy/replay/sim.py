@@ -40,7 +40,7 @@ from proxy.control.retrybudget import RetryBudget
 from proxy.pipeline.attempts import next_step
 from proxy.pipeline.record import AttemptResult
 from proxy.policy import BackendPolicy, Policy
-from proxy.replay.observed import ObservedWaits
+from proxy.replay.observed import ObservedWaits, RecordedBaseline
 from proxy.replay.trace import Request, Trace
 from proxy.replay.world import BackendWorld, Outcome, World
 
@@ -175,8 +175,12 @@ class Sim:
         self.ladder = Ladder(lad.recovery, self.clock, self.on_transition)
         self.ladder.tier = trace.initial_tier  # type: ignore[assignment]
         self.pressure = PressureMonitor(lad.throttle, self.clock)
+        base = RecordedBaseline.of(trace, policy)
+        if base is not None:  # (the recorded proxy's TTFT history: `RecordedBaseline`)
+            self.pressure.ttft_base = base
         self.admission = Admission(lad.throttle, self.clock, self.on_wait)
         self._observed = ObservedWaits(trace, policy)
+        self._pre = self._observed.pre  # the proxy's own time before the call
         self.backends: dict[str, Backend] = {}
         for name in ("primary", "fallback"):
             bp = getattr(policy.backends, name)
@@ -673,7 +677,8 @@ class Sim:
             if b is self.fallback:
                 run.failovers += 1
             if stream:  # a non-streaming answer's first byte is its last
-                run.ttfts.append(first - f.arrived + q.overhead)
+                pre = self._pre.get(id(q), 0.0) if self._pre else 0.0
+                run.ttfts.append(first - f.arrived + q.overhead + pre)
                 run.ttft_t.append(f.arrived)
             return
         if out.kind == "cut":
@@ -781,7 +786,8 @@ class Sim:
 
     def _ttft(self, f: Flight, first: float) -> None:
         if f.q.stream:  # a non-streaming answer's first byte is its last
-            self.run.ttfts.append(first - f.arrived + f.q.overhead)
+            pre = self._pre.get(id(f.q), 0.0) if self._pre else 0.0
+            self.run.ttfts.append(first - f.arrived + f.q.overhead + pre)
             self.run.ttft_t.append(f.arrived)
 
     def finish_maintenance(self, q: Request) -> None:
