@@ -13,12 +13,25 @@ mid-answer on the fallback, answer from maintenance — is repeated here in
 a few lines each, on events in a heap instead of coroutines. Backends are
 `proxy.replay.world`'s models.
 
-Not replayed (documented limits): failure attribution and corroboration
-(every backend fault counts against its breaker at once, as with
-`corroborate: false`), per-model breakers, a gray release, sessions and
-trimming (context-length refusals are the recorded ones), the output
-guard, and policy reloads inside the trace (a replay runs one policy).
-Operator actions (a forced tier, a release) are replayed at their times.
+Attribution: a refused connection counts against its breaker at once; any
+other backend fault is suspect, and one that would open the breaker is
+corroborated as `Runtime.report_failure` does it (the control code's
+`Ledger`): the backend's recovery probe goes out, answered by the world
+model at that instant (a hung backend keeps it until the hang ends or its
+`first_byte_s` runs out), and a probe that passes charges the failures to
+their requests. Limits: the world model does not know which recorded
+failures were client-shaped (a poison request's 5xx is evidence of an
+erroring backend there, drawn by any request at its share), and every
+fault the replay sees is suspect but a refused connection (the proxy also
+takes an engine's death or out-of-memory in an error body as definitive:
+there the replay's probe of the dead backend fails at once all the same).
+
+Not replayed (documented limits): per-model breakers, a gray release (the
+candidate's requests are replayed on the primary), sessions and trimming
+(context-length refusals are the recorded ones; the proxy's own time before
+the backend call is in the replayed TTFT as recorded), the output guard,
+and policy reloads inside the trace (a replay runs one policy). Operator
+actions (a forced tier, a release) are replayed at their times.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from operator import itemgetter
 from typing import Any
 
 from proxy.control.admission import Admission, Rejected, Waiter
+from proxy.control.attribution import DEFINITIVE, Held, Ledger
 from proxy.control.breaker import BackendBreaker, Permit
 from proxy.control.ladder import RANK, TIERS, Destination, Ladder, Signals, Transition
 from proxy.control.pressure import EngineGauges, PressureMonitor, next_limit
@@ -42,7 +56,7 @@ from proxy.pipeline.record import AttemptResult
 from proxy.policy import BackendPolicy, Policy
 from proxy.replay.observed import ObservedWaits, RecordedBaseline
 from proxy.replay.trace import Request, Trace
-from proxy.replay.world import BackendWorld, Outcome, World
+from proxy.replay.world import RESUME_S, BackendWorld, Outcome, World
 
 TAIL_S = 5.0  # the replay runs this long past the last record
 EXACT_SLACK = 4.0  # with records lost: a recorded turn this many periods late is still the next one
@@ -72,6 +86,9 @@ class Backend:
         self.idle_s = bp.timeouts.idle_s
         self.inflight = 0
         self.probing = False
+        bk = pol.ladder.breaker
+        self.corroborate = bk.corroborate
+        self.ledger = Ledger(bk.reset_timeout_s, bk.min_clients)
 
     @property
     def down(self) -> bool:
@@ -281,16 +298,29 @@ class Sim:
                 permit = br.allow()
                 if permit is not None:
                     b.probing = True
-                    ok, definitive, err, took = b.world.probe(self.now)
-                    seg = b.world.segment(self.now)
-                    if ok and seg.state in ("down", "hung"):
-                        ok = False
-                    took += b.world.ttft(1) if ok else 0.0
+                    ok, definitive, err, took = self._recovery(b)
                     self.at(
                         self.now + took, self.recovery_probe_done, b, permit, ok, definitive, err
                     )
         self.evaluate(window=True)
         self.periodic(self._next_tick(), self.tick)
+
+    def _recovery(self, b: Backend) -> tuple[bool, bool, str | None, float]:
+        """(ok, definitive, error, seconds it takes) of the backend's recovery
+        probe (a 1-token chat) sent now: a hung backend keeps it until the
+        hang ends, up to its `first_byte_s`."""
+        w = b.world
+        ok, definitive, err, took = w.probe(self.now)
+        seg = w.segment(self.now)
+        if seg.state == "hung":
+            wait = w._hang_end(self.now) - self.now + RESUME_S
+            if wait < b.first_byte_s:
+                return True, False, None, wait
+            return False, False, "TimeoutError", b.first_byte_s
+        if ok and seg.state == "down":
+            ok = False
+        took += w.ttft(1) if ok else 0.0
+        return ok, definitive, err, took
 
     def _next_tick(self) -> float:
         w = self.policy.ladder.recovery.window_s
@@ -664,9 +694,11 @@ class Sim:
             if stream and b is self.primary:
                 self.pressure.record_ttft(ttft)
             if stream and fo.ttft_limit_s and ttft > fo.ttft_limit_s:
-                self.failure(b, permit, "slow_ttft")
+                self.failure(b, permit, "slow_ttft", q.client)
             else:
                 b.breaker.record_success(permit)
+                if b.ledger.streak:  # a success ends a failure streak (`report_success`)
+                    b.ledger.streak_over()
             # `answer`, inline: done, the session's next, the counts, the TTFT.
             f.done = True
             if self._next_of:
@@ -682,7 +714,7 @@ class Sim:
                 run.ttft_t.append(f.arrived)
             return
         if out.kind == "cut":
-            self.failure(b, permit, out.fault)
+            self.failure(b, permit, out.fault, f.q.client)
             self.rescue(f, b, out)
             return
         # Failed before the first byte: retry, the next candidate, or the end.
@@ -704,7 +736,7 @@ class Sim:
             f.retries += 1
             self.at(self.now + d.delay, self._retry, f, b)
             return
-        self.failure(b, permit, out.fault)
+        self.failure(b, permit, out.fault, f.q.client)
         f.failed = True
         f.idx += 1
         f.retries = 0
@@ -717,12 +749,60 @@ class Sim:
         f.order = [*f.order[: f.idx], b, *f.order[f.idx + 1 :]]
         self.next_candidate(f)
 
-    def failure(self, b: Backend, permit: Permit, fault: str) -> None:
+    def failure(self, b: Backend, permit: Permit, fault: str, client: str = "") -> None:
         br = b.breaker
+        if b.corroborate and fault not in DEFINITIVE:
+            self._suspect(b, permit, fault, client)
+            return
         counted = br.outcomes
         br.record_failure(permit, fault)
         if br.outcomes != counted:
             self.ladder.report_failure(b.name)
+
+    # -- attribution: a suspect failure that would open a breaker is corroborated --
+
+    def _suspect(self, b: Backend, permit: Permit, fault: str, client: str) -> None:
+        """`Runtime.report_failure` of a suspect failure (`Ledger.decide`)."""
+        br, led = b.breaker, b.ledger
+        held = Held(fault, "", client, "")
+        decision = led.decide(self.now, client, br.would_open(permit))
+        if decision in ("hold", "probe"):
+            led.held.append(held)
+            if decision == "probe":
+                self._corroborate(b)
+            return
+        if decision == "absolve":
+            led.absolve(held)
+            br.absolve()
+            return
+        led.suspect(held)
+        counted = br.outcomes
+        br.record_failure(permit, fault)
+        if br.outcomes != counted:
+            self.ladder.report_failure(b.name)
+        if br.state != "closed":
+            led.streak_over()
+
+    def _corroborate(self, b: Backend) -> None:
+        b.ledger.start_probe(self.now)
+        ok, definitive, _err, took = self._recovery(b)
+        if definitive:  # refused, or the health check says so: at once
+            took = 0.0
+        self.at(self.now + took, self._corroborated, b, ok)
+
+    def _corroborated(self, b: Backend, ok: bool) -> None:
+        br, led = b.breaker, b.ledger
+        held = led.probe_done(ok)
+        if ok:
+            br.absolve()
+            return
+        if held and br.state != "open":
+            counted = br.outcomes
+            br.force_open("corroborated")
+            if br.outcomes != counted:
+                self.ladder.report_failure(b.name)
+        if led.held:
+            self._corroborate(b)
 
     def rescue(self, f: Flight, b: Backend, out: Outcome) -> None:
         fb = self.fallback

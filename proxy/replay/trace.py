@@ -138,6 +138,9 @@ class Trace:
     # Instants the recorded proxy evaluated its ladder window (what happens
     # only there: a limit change, an open breaker's reset timeout).
     ticks: list[float] = field(default_factory=list)
+    # Trials of a half-open breaker that succeeded: (sent, answered, backend)
+    # (with `recovery_probe`, the probe: how long a recovering backend kept it).
+    trials: list[tuple[float, float, str]] = field(default_factory=list)
     exact_ticks: bool = False  # `tick` records: every evaluation's instant
     calls: bool = False  # attempts carry their backend call's instant (after admission)
     models: dict[str, dict[str, float]] = field(default_factory=dict)  # scenario latency models
@@ -146,6 +149,7 @@ class Trace:
     truncated: int = 0  # segments cut by a crash
     source: str = ""
     synthetic: bool = False
+    _half_open: dict[Any, float] = field(default_factory=dict, repr=False)
 
     @property
     def duration(self) -> float:
@@ -491,9 +495,8 @@ def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
             tr.exact_ticks = True
             tr.ticks.clear()
         tr.ticks.append(t)
-    elif k == "breaker" and r.get("from") == "open" and r.get("to") == "half-open":
-        if not tr.exact_ticks:
-            tr.ticks.append(t)
+    elif k == "breaker":
+        _breaker(tr, t, r)
     elif k == "probe":
         tr.probes.append(Probe(t, r["b"], bool(r["ok"]), bool(r.get("def")), r.get("err")))
     elif k == "engine":
@@ -536,6 +539,19 @@ def _add(tr: Trace, k: Any, t: float, r: dict[str, Any]) -> None:
         tr.synthetic = True
     elif k == "model":
         tr.models[r["b"]] = {key: float(v) for key, v in r.items() if key not in ("k", "t", "b")}
+
+
+def _breaker(tr: Trace, t: float, r: dict[str, Any]) -> None:
+    old, new, b = r.get("from"), r.get("to"), r.get("b")
+    if old == "open" and new == "half-open":
+        if not tr.exact_ticks:
+            tr.ticks.append(t)
+        if r.get("m") is None:
+            tr._half_open[b] = t
+    elif old == "half-open" and new == "closed" and r.get("m") is None:
+        sent = tr._half_open.pop(b, None)
+        if sent is not None and isinstance(b, str):
+            tr.trials.append((sent, t, b))
 
 
 def _request(t: float, r: dict[str, Any]) -> Request:

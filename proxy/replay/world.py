@@ -16,6 +16,11 @@ except a lone failure between two successes within
 `SPORADIC_S`, which counts into the background error share of its
 `ERROR_BIN_S` bin (`erroring`) instead. Attempts of requests refused for
 their own sake (4xx, failed on every backend) are no evidence at all.
+A hang the requests saw (a first-byte timeout, a stream silent for
+`idle_s`: hung from its last byte) lasts until a request is answered again
+(`_hangs`): a health endpoint may pass while the engine is stopped, so a
+passing health probe does not end it; a half-open breaker's trial that
+waited (`recovery_probe`: the 1-token chat) marks where it ended.
 A synthetic scenario states its segments (`cond` records) instead.
 
 A request in flight when its backend goes `down` is cut at that instant (a
@@ -68,6 +73,7 @@ random (seeded). The proxy's ~1 ms of own work is ignored.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import gc
 import itertools
 import math
@@ -323,6 +329,10 @@ class BackendWorld:
                     # cut, so it lasts at least that long (and is cut again there).
                     ft, whole = self._modelled(q, t, n)
                     first = cut.ttft if cut.ttft is not None else ft
+                    if cut.ttft is None and q.attempts[0] is cut and q.ttft is not None:
+                        # Its first byte reached the client: the client's TTFT
+                        # less the wait for the call and the proxy's own time.
+                        first = max(MIN_TTFT_S, q.ttft - (cut.start - q.t) - q.overhead)
                     return first, max(whole, cut.end - cut.start + 1e-3)
                 return self._modelled(q, t, n)
             _, _, _, _, r_ttft, r_start, r_end = rec
@@ -493,7 +503,7 @@ class _Seen:
             ev_t.append(t)
 
 
-_NO_EVIDENCE_OF_CUT = ("invalid_output", "idle_timeout")
+_NO_EVIDENCE_OF_CUT = ("invalid_output", "idle_timeout", "first_byte_timeout", "connect_timeout")
 _TIMEOUTS = ("first_byte_timeout", "connect_timeout")
 
 
@@ -590,6 +600,8 @@ def _build_world(trace: Trace, idle_s: float) -> World:
             _probe_evidence(ev, probes)
             d.evidence(ev)
             segments = _segments_of(d.ev_t, d.rare)
+            trials = [(a, b) for a, b, who in trace.trials if who == name]
+            segments = _hangs(segments, d, probes, trials, idle_s)
             cuts = sorted(
                 a.end for a in attempts if a.kind == "ended" and a.fault not in _NO_EVIDENCE_OF_CUT
             )
@@ -605,6 +617,76 @@ def _build_world(trace: Trace, idle_s: float) -> World:
         _fit(bw, trace, d, tokens, notes)
         out[name] = bw
     return World(out, notes)
+
+
+TRIAL_SLOW_S = 1.0  # a breaker's trial this long waited on a backend that did not answer
+# A 1-token probe a hang kept answers this long after the hang ends (and a
+# trial that waited marks the hang's end so: the replay's probe answers when
+# the recorded one did).
+RESUME_S = 0.05
+
+
+def _hangs(
+    segments: list[Segment],
+    d: _Seen,
+    probes: Sequence[Probe],
+    trials: list[tuple[float, float]],
+    idle_s: float,
+) -> list[Segment]:
+    """`segments` with the hangs the requests saw held until a request was
+    answered again. A health endpoint may answer while the engine is stopped
+    (chaos drill 2: vLLM's worker SIGSTOPped, `/health` 200 every 0.2 s): a
+    health probe that passes is no evidence against a hang, only an answer
+    is — one of a request, or the breaker's trial (with `recovery_probe`, a
+    1-token chat) that waited for it: hung from its start until just before
+    it was answered. Without a hang in the requests: `segments` unchanged."""
+    ev: list[tuple[float, str, str]] = []
+    for a in d.attempts:
+        if a.kind == "ended" and a.fault == "idle_timeout" and a.end - idle_s > a.start:
+            # A stream silent for idle_s: its last byte came then, the hang after.
+            ev += [(a.end - idle_s, OK, ""), (a.end - idle_s + 2e-3, HANG, a.fault)]
+        else:
+            _attempt_evidence(ev, a, idle_s)
+    if not any(cls == HANG for _, cls, _ in ev):
+        return segments
+    for start, ttft in zip(d.a_start, d.a_ttft, strict=True):
+        ev.append((start, OK, ""))
+        if ttft is not None:
+            ev.append((start + ttft, OK, ""))
+    for sent, answered in trials:
+        if answered - sent > TRIAL_SLOW_S:
+            ev += [(sent, HANG, "first_byte_timeout"), (answered - 2 * RESUME_S, HANG, "")]
+            ev.append((answered, OK, ""))
+    ev += [e for e in _evidence((), probes, idle_s) if e[1] != OK]
+    ev.sort(key=_EV_T)
+    seen = _segments(ev)
+    stretches = [
+        (s.start, seen[i + 1].start if i + 1 < len(seen) else math.inf)
+        for i, s in enumerate(seen)
+        if s.state == "hung"
+    ]
+    out: list[Segment] = []
+    for i, s in enumerate(segments):
+        end = segments[i + 1].start if i + 1 < len(segments) else math.inf
+        t = s.start
+        if s.state == "hung":  # (the stretches have the hangs, where they end)
+            s = Segment(s.start, "up")
+        if s.state != "down":
+            for lo, hi in stretches:
+                if hi <= t or lo >= end:
+                    continue
+                if lo > t:
+                    out.append(dataclasses.replace(s, start=t))
+                out.append(Segment(max(lo, t), "hung", "first_byte_timeout"))
+                t = min(hi, end)
+        if t < end:
+            out.append(s if t == s.start else dataclasses.replace(s, start=t))
+    merged = out[:1]
+    for s in out[1:]:
+        if s.state in ("hung", "up") and merged[-1].state == s.state:
+            continue
+        merged.append(s)
+    return merged
 
 
 KILL_NEAR_S = 1.0  # streams cut this near a `down` stretch's start died with it
@@ -684,7 +766,9 @@ def _attempt_evidence(ev: list[tuple[float, str, str]], a: Attempt, idle_s: floa
         else:
             ev.append((a.start, OK, ""))
     elif a.kind == "ended":
-        if a.fault == "idle_timeout":
+        if a.fault in _TIMEOUTS:  # the answer's headers came, its first token never
+            ev.append((a.start, HANG, a.fault))
+        elif a.fault == "idle_timeout":
             ev.append((max(a.start, a.end - idle_s), HANG, a.fault))
         elif a.fault != "invalid_output":
             ev.append((a.start, OK, ""))
