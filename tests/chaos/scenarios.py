@@ -70,8 +70,23 @@ from tests.chaos.replay import replay_drill, replay_problems
 from tests.harness.procs import is_alive
 
 # Drills failed by a replay of their recording below the fidelity goal
-# (keys of `DRILLS`: tests/unit/test_replay_drills.py checks them).
-FIDELITY_GATED = frozenset({"engine_kill", "overload"})
+# (keys of `DRILLS`: tests/unit/test_replay_drills.py checks them): those
+# whose recordings met it (bench/results/replay-fidelity.md). Not drill 6
+# ("overload"): its tier agreement meets it (0.971-1.000), but a run's
+# `deadline` sheds (the expected wait on its mark, ~20 queued at limit 1)
+# can replay a third short (55 recorded, 32 replayed).
+FIDELITY_GATED = frozenset(
+    {
+        "engine_kill",
+        "stall",
+        "api_kill",
+        "redis_stop",
+        "fallback_kill",
+        "broken_reload",
+        "hostile",
+        "bad_canary",
+    }
+)
 
 __all__ = [
     "DRILLS",
@@ -1182,9 +1197,7 @@ async def run_drill(stack: Stack, spec: DrillSpec, d: Durations) -> DrillResult:
         f"handlers {handlers}, admission slots {slots}, queued {queued}"
     )
     # A replay below the fidelity goal fails the drills whose fidelity was
-    # measured at the goal (engine death: 99.6-99.8 %); the others report it.
-    # The replay does not model attribution, the gray release or a 10x burst's
-    # queue-wait threshold (drill 6: 90 %), so there it is a finding, not a failure.
+    # measured at the goal (`FIDELITY_GATED`); the others report it.
     gate = replay_problems(result.replay) if spec.key in FIDELITY_GATED else []
     result.problems = _problems(result, spec) + gate
     if slots > handlers:
