@@ -118,7 +118,8 @@ def _run(
     if len(trace.policies) > 1:
         notes.append(
             f"the policy was reloaded {len(trace.policies) - 1} time(s) during the "
-            "trace: each replay runs one policy throughout"
+            "trace: a replay of the recorded policy takes those that change only the "
+            "backends' settings; a ladder's change is not replayed"
         )
     pb = baseline.backends.primary
     if future is not None:

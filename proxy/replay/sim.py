@@ -30,8 +30,11 @@ Not replayed (documented limits): per-model breakers, a gray release (the
 candidate's requests are replayed on the primary), sessions and trimming
 (context-length refusals are the recorded ones; the proxy's own time before
 the backend call is in the replayed TTFT as recorded), the output guard,
-and policy reloads inside the trace (a replay runs one policy). Operator
-actions (a forced tier, a release) are replayed at their times.
+and policy reloads inside the trace that change the ladder (a replay of the
+recorded policy takes those that change only the backends' settings —
+timeouts, health probes — at their instants; a candidate runs its own
+throughout). Operator actions (a forced tier, a release) are replayed at
+their times.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ from proxy.control.pressure import EngineGauges, PressureMonitor, next_limit
 from proxy.control.retrybudget import RetryBudget
 from proxy.pipeline.attempts import next_step
 from proxy.pipeline.record import AttemptResult
-from proxy.policy import BackendPolicy, Policy
+from proxy.policy import BackendPolicy, Policy, PolicyError
 from proxy.replay.observed import ObservedWaits, RecordedBaseline
-from proxy.replay.trace import Request, Trace
+from proxy.replay.trace import Request, Trace, policy_from_knobs
 from proxy.replay.world import RESUME_S, BackendWorld, Outcome, World
 
 TAIL_S = 5.0  # the replay runs this long past the last record
@@ -259,6 +262,8 @@ class Sim:
             self.at(t, self.observed_wait, seconds, counts)
         for t, tier in self.trace.forces:
             self.at(t, self.force, tier)
+        for t, p in _reloads(self.trace, self.policy):
+            self.at(t, self.reload, p)
         reqs = self._sessions()
         heap = self._heap
         pop = heapq.heappop
@@ -417,6 +422,16 @@ class Sim:
         ):
             s.setdefault(key, []).append(value)
         self.at(self.now + SERIES_S, self.sample)
+
+    def reload(self, policy: Policy) -> None:
+        """A recorded reload that changed only the backends' settings (their
+        timeouts, health probes): taken by a replay of the recorded policy."""
+        for name, b in self.backends.items():
+            bp = getattr(policy.backends, name)
+            if bp is not None:
+                b.policy = bp
+                b.first_byte_s = bp.timeouts.first_byte_s
+                b.idle_s = bp.timeouts.idle_s
 
     def force(self, tier: str | None) -> None:
         self.ladder.force(tier if tier in TIERS else None)  # type: ignore[arg-type,unused-ignore]
@@ -891,6 +906,29 @@ def _retry_kind(out: Outcome) -> str:
     backend: a sporadic 5xx or a reset; not a refused connection, a timeout
     or an engine that died (the pipeline's own rule, `proxy.pipeline.call`)."""
     return f"http_{out.status}" if out.fault.startswith("http_5") else ""
+
+
+def _reloads(trace: Trace, policy: Policy) -> list[tuple[float, Policy]]:
+    """The recorded reloads a replay of `policy` takes: when `policy` is the
+    one recorded at the trace's start (its backends and ladder), each later
+    recorded policy with the same ladder (its backends' settings, replayed
+    at its instant), up to the first that changed the ladder (not replayed:
+    the replay runs that ladder throughout)."""
+    if len(trace.policies) < 2:
+        return []
+    try:
+        first = policy_from_knobs(trace.policies[0][2])
+        if first.ladder != policy.ladder or first.backends != policy.backends:
+            return []
+        out = []
+        for t, _hash, knobs in trace.policies[1:]:
+            p = policy_from_knobs(knobs)
+            if p.ladder != first.ladder:
+                break
+            out.append((t, p))
+    except PolicyError:
+        return []
+    return out
 
 
 def replay(policy: Policy, trace: Trace, world: World, seed: int = 0) -> Run:

