@@ -26,6 +26,10 @@ fault the replay sees is suspect but a refused connection (the proxy also
 takes an engine's death or out-of-memory in an error body as definitive:
 there the replay's probe of the dead backend fails at once all the same).
 
+A request whose first recorded attempt a backend refused before sending it
+(its context past the backend's window) is refused there again and goes
+on to the next candidate.
+
 Not replayed (documented limits): per-model breakers, a gray release (the
 candidate's requests are replayed on the primary), sessions and trimming
 (context-length refusals are the recorded ones; the proxy's own time before
@@ -595,8 +599,14 @@ class Sim:
 
     def next_candidate(self, f: Flight) -> None:
         order = f.order
+        first = f.q.attempts[0] if f.q.attempts else None
         while f.idx < len(order):
             b = order[f.idx]
+            if first is not None and first.kind == "refused" and first.backend == b.name:
+                # Refused there for its own sake (its context past the
+                # backend's window: it was never sent): the same now.
+                f.idx += 1
+                continue
             permit = b.breaker.allow()
             if permit is None:
                 f.idx += 1

@@ -74,9 +74,7 @@ from tests.harness.procs import is_alive
 # whose recordings met it (bench/results/replay-fidelity.md). Not drill 6
 # ("overload"): its tier agreement meets it (0.971-1.000), but a run's
 # `deadline` sheds (the expected wait on its mark, ~20 queued at limit 1)
-# can replay a third short (55 recorded, 32 replayed). Not drill 8
-# ("hostile"): 1.000 in both runs, but one run's TTFT p95 replays 37 % high
-# (a few of the hostile client's streams, the P95 of ~100).
+# can replay a third short (55 recorded, 32 replayed).
 FIDELITY_GATED = frozenset(
     {
         "engine_kill",
@@ -85,6 +83,7 @@ FIDELITY_GATED = frozenset(
         "redis_stop",
         "fallback_kill",
         "broken_reload",
+        "hostile",
         "bad_canary",
     }
 )
