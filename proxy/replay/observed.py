@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
+import math
 from typing import Any
 
 from proxy.policy import Policy, PolicyError
@@ -94,6 +96,12 @@ class ObservedWaits:
         push, pop = heapq.heappush, heapq.heappop
         limit_t, limit_v, limit0 = self._limit_t, self._limit_v, self._limit0
         right = bisect.bisect_right
+        # `limit(t)` of the last instant looked up, and from and until when
+        # it holds (the limits' instants sorted; the requests come in time
+        # order: looked up again only past the next change).
+        limit, since, until = limit0, math.inf, -math.inf
+        ordered = all(a <= b for a, b in itertools.pairwise(limit_t))
+        n_limits = len(limit_t)
         for q in trace.requests:  # (a day of traffic: locals, `limit` inline)
             t = q.t
             atts = q.attempts
@@ -117,8 +125,13 @@ class ObservedWaits:
             if not called and not queued:
                 continue
             client = q.client
-            i = right(limit_t, t) - 1
-            full = len(held) >= (limit_v[i] if i >= 0 else limit0) or queue_until > t
+            if not since <= t < until:
+                i = right(limit_t, t) - 1
+                limit = limit_v[i] if i >= 0 else limit0
+                if ordered:
+                    since = limit_t[i] if i >= 0 else -math.inf
+                    until = limit_t[i + 1] if i + 1 < n_limits else math.inf
+            full = len(held) >= limit or queue_until > t
             if not full:
                 if called:
                     push(held, (a.end, client))
