@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import resource
 import sys
 import time
@@ -27,7 +28,7 @@ from proxy.replay import report as rep
 from proxy.replay.names import FAIL_ON, SCENARIOS
 from proxy.replay.scenarios import scenario_policy, scenario_trace
 from proxy.replay.sim import Run, replay
-from proxy.replay.trace import Trace, policy_from_knobs, with_backends
+from proxy.replay.trace import Peer, Trace, policy_from_knobs, with_backends
 from proxy.replay.world import World, build_world
 from proxy.telemetry.recorder import fingerprint
 from proxy.telemetry.recording import segments
@@ -102,16 +103,32 @@ def _run(
     wall: float,
 ) -> Outcome:
     future = None
+    peer: Peer | None = None
     if early is not None:
         assert trace_path is not None
-        future = early.submit(_early_job, candidate, trace_path, baseline, seed, freeze)
+        down, up = os.pipe(), os.pipe()  # (to the candidate's process, from it)
+        peer = Peer(0, up[0], down[1])
+        try:
+            future = early.submit(
+                _early_job, candidate, trace_path, baseline, seed, freeze, down[0], up[1], peer.fds
+            )
+        except BaseException:
+            peer.close()
+            raise
+        finally:
+            os.close(down[0])  # (the forked process's ends: its own now)
+            os.close(up[1])
     notes: list[str] = []
-    if scenario is not None:
-        trace = scenario_trace(scenario, seed)
-        recorded: Policy | None = None
-    else:
-        assert trace_path is not None
-        trace = _load(trace_path, freeze)
+    try:
+        if scenario is not None:
+            trace = scenario_trace(scenario, seed)
+            recorded: Policy | None = None
+        else:
+            assert trace_path is not None
+            trace = _load(trace_path, freeze, peer)
+    finally:
+        if peer is not None:
+            peer.close()
     baseline, candidate, recorded, is_recorded = _policies(trace, trace_path, candidate, baseline)
     if trace_path is not None and recorded is None:
         notes.append("the trace carries no policy record: no fidelity can be measured")
@@ -173,9 +190,9 @@ def _run(
     return out
 
 
-def _load(trace_path: str, freeze: bool) -> Trace:
+def _load(trace_path: str, freeze: bool, peer: Peer | None = None) -> Trace:
     try:
-        return Trace.load(Path(trace_path), freeze=freeze)
+        return Trace.load(Path(trace_path), freeze=freeze, peer=peer)
     except (OSError, ValueError) as exc:
         raise ReplayError(f"{trace_path}: cannot read the trace: {exc}") from exc
 
@@ -252,14 +269,24 @@ def _candidate_job() -> _Packed:
 
 
 def _early_job(
-    candidate: Policy, trace_path: str, baseline: Policy | None, seed: int, freeze: bool
+    candidate: Policy,
+    trace_path: str,
+    baseline: Policy | None,
+    seed: int,
+    freeze: bool,
+    rfd: int,
+    wfd: int,
+    parents: tuple[int, int],
 ) -> _Packed:
     """The candidate's side in a process forked before the trace is read:
-    it reads the trace, fits the backend model and replays on its own core
-    (the same as the parent's: each a function of the trace and the
-    policies). Nothing of the parent's trace to share, none of its pages
-    copied on write."""
-    trace = _load(trace_path, freeze)
+    it reads the trace together with the parent (each half of it, `Peer`:
+    `rfd`, `wfd` its pipes' ends, `parents` the parent's, closed here),
+    fits the backend model and replays on its own core (the same as the
+    parent's: each a function of the trace and the policies). None of the
+    parent's pages copied on write."""
+    for fd in parents:
+        os.close(fd)
+    trace = _load(trace_path, freeze, Peer(1, rfd, wfd))
     baseline, candidate, _, _ = _policies(trace, trace_path, candidate, baseline)
     world = build_world(trace, idle_s=baseline.backends.primary.timeouts.idle_s, freeze=freeze)
     # Left to the process's end (which frees nothing): freed on return,

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
+import math
 from typing import Any
 
 from proxy.control.pressure import Window
@@ -103,6 +105,12 @@ class ObservedWaits:
         limit_t, limit_v, limit0 = self._limit_t, self._limit_v, self._limit0
         right = bisect.bisect_right
         pre, queues = self.pre, self._queues
+        # `limit(t)` of the last instant looked up, and from and until when
+        # it holds (the limits' instants sorted; the requests come in time
+        # order: looked up again only past the next change).
+        limit, since, until = limit0, math.inf, -math.inf
+        ordered = all(a <= b for a, b in itertools.pairwise(limit_t))
+        n_limits = len(limit_t)
         for q in trace.requests:  # (a day of traffic: locals, `limit` inline)
             t = q.t
             atts = q.attempts
@@ -128,8 +136,13 @@ class ObservedWaits:
                     pre[id(q)] = min(PRE_MAX_S, a.start - t)  # (no admission there)
                 continue
             client = q.client
-            i = right(limit_t, t) - 1
-            full = queues and (len(held) >= (limit_v[i] if i >= 0 else limit0) or queue_until > t)
+            if not since <= t < until:
+                i = right(limit_t, t) - 1
+                limit = limit_v[i] if i >= 0 else limit0
+                if ordered:
+                    since = limit_t[i] if i >= 0 else -math.inf
+                    until = limit_t[i + 1] if i + 1 < n_limits else math.inf
+            full = queues and (len(held) >= limit or queue_until > t)
             if not full:
                 if called and len(atts) == 1:
                     pre[id(q)] = min(PRE_MAX_S, a.start - t)

@@ -139,11 +139,11 @@ class _Slot:
         self.sim.at(self.sim.now, self.sim.shed_waiter, self.flight, reason)
 
 
-@dataclass(slots=True)
 class Flight:
-    """One request on its way (the replay's `RequestRecord`)."""
+    """One request on its way (the replay's `RequestRecord`). One per
+    request: made with three attributes, the others the class's until set
+    (a dataclass's `__init__` set all sixteen)."""
 
-    q: Request
     order: list[Backend]
     arrived: float = 0.0
     idx: int = 0
@@ -158,6 +158,9 @@ class Flight:
     done: bool = False
     failed: bool = False  # some attempt failed before the first byte (the last result)
     cut: bool = False
+
+    def __init__(self, q: Request, order: list[Backend], arrived: float = 0.0) -> None:
+        self.q, self.order, self.arrived = q, order, arrived
 
 
 @dataclass

@@ -9,11 +9,15 @@ for are kept out; nothing here decides anything.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
+import marshal
 import math
+import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import eq, itemgetter, not_
@@ -172,17 +176,28 @@ class Trace:
         return self.policies[0][1] if self.policies else None
 
     @classmethod
-    def load(cls, path: Path, *, freeze: bool = False) -> Trace:
+    def load(cls, path: Path, *, freeze: bool = False, peer: Peer | None = None) -> Trace:
         """Read a recording. Millions of small tuples, none in a cycle: the
         collector stays off while they are made; `freeze` (the command line,
         whose process ends with the replay) also keeps every later full
-        collection from walking them again (`gc.freeze`, process-wide)."""
+        collection from walking them again (`gc.freeze`, process-wide).
+        `peer`: another process reading the same recording at the same time
+        (see `Peer`): each parses half of it and they exchange the rest."""
         enabled = gc.isenabled()
         gc.disable()
         try:
             files = segments(path) if path.is_dir() else [path]
             reader = Reader()
-            tr = _chunked(cls, reader, files, str(path))
+            tr = None
+            if peer is not None:
+                try:
+                    tr = _shared(cls, reader, files, str(path), peer)
+                finally:
+                    peer.close()
+                if tr is None:
+                    reader = Reader()
+            if tr is None:
+                tr = _chunked(cls, reader, files, str(path))
             if tr is None:  # a record older than the first chunk's: all at once
                 reader = Reader()
                 recs: list[Any] = []
@@ -417,7 +432,6 @@ def _chunked(cls: type[Trace], reader: Reader, files: list[Path], source: str) -
     filtering per record, the same earliest and latest instants (the first
     of equal values), the requests in the same order before their stable
     sort."""
-    loads = orjson.loads
     reqs: list[Request] = []
     failed: list[dict[str, Any]] = []
     others: list[dict[str, Any]] = []
@@ -428,28 +442,8 @@ def _chunked(cls: type[Trace], reader: Reader, files: list[Path], source: str) -
     hi: Any = None
     for f in files:
         for lines in reader.raw_chunks(f):
-            try:
-                recs: list[Any] = list(map(loads, lines))
-            except orjson.JSONDecodeError:
-                recs = []
-                for ln in lines:
-                    try:
-                        recs.append(loads(ln))
-                    except orjson.JSONDecodeError:
-                        reader.skipped += 1
-            try:
-                ts: list[Any] = list(map(_get, recs, repeat("t")))
-                ok = set(map(type, ts)) <= _NUMBERS
-            except TypeError:
-                ok = False
-            if not ok:
-                valid = [r for r in recs if type(r) is dict and type(r.get("t")) in _NUMBERS]
-                bad += len(recs) - len(valid)
-                recs = valid
-                ts = list(map(_get, recs, repeat("t")))
-            ks = list(map(_get, recs, repeat("k")))
-            if "seg" in ks:
-                ts = [t for t, k in zip(ts, ks, strict=True) if k != "seg"]
+            recs, ts, ks, n_bad = _records(reader, lines)
+            bad += n_bad
             if ts:
                 a, b = min(ts), max(ts)
                 if lo is None:
@@ -478,6 +472,240 @@ def _chunked(cls: type[Trace], reader: Reader, files: list[Path], source: str) -
     others.sort(key=_T)
     tr._others(others, end)
     return tr
+
+
+def _records(reader: Reader, lines: list[bytes]) -> tuple[list[Any], list[Any], list[Any], int]:
+    """A chunk's lines parsed: its records (objects with a numeric `t`),
+    their instants (but a segment header's), their kinds, and how many
+    parsed lines were not records (the lines not JSON: `reader.skipped`)."""
+    loads = orjson.loads
+    bad = 0
+    try:
+        recs: list[Any] = list(map(loads, lines))
+    except orjson.JSONDecodeError:
+        recs = []
+        for ln in lines:
+            try:
+                recs.append(loads(ln))
+            except orjson.JSONDecodeError:
+                reader.skipped += 1
+    try:
+        ts: list[Any] = list(map(_get, recs, repeat("t")))
+        ok = set(map(type, ts)) <= _NUMBERS
+    except TypeError:
+        ok = False
+    if not ok:
+        valid = [r for r in recs if type(r) is dict and type(r.get("t")) in _NUMBERS]
+        bad = len(recs) - len(valid)
+        recs = valid
+        ts = list(map(_get, recs, repeat("t")))
+    ks = list(map(_get, recs, repeat("k")))
+    if "seg" in ks:
+        ts = [t for t, k in zip(ts, ks, strict=True) if k != "seg"]
+    return recs, ts, ks, bad
+
+
+class Peer:
+    """The other end of a shared reading: two processes (a replay's baseline
+    and candidate) read the same recording at the same time; each parses
+    and converts every other chunk of it (both decompress all of it, which
+    is cheap) and sends the other its requests as columns of plain values
+    (`marshal`: exact types and bits, one object per string sent once), and
+    its other records and per-chunk figures; each then puts the chunks
+    together in order. The trace is the one `_chunked` gives, in each.
+
+    `rank` 0 takes the first chunks (up to one with a request) and every
+    other one from there, 1 the rest;
+    `rfd` is read from, `wfd` written to (the other's `wfd` and `rfd`: two
+    pipes). Both ends are closed once the reading is done (the other sees
+    its end: a process that failed or died before sending sends nothing,
+    and the one left reads the recording on its own)."""
+
+    def __init__(self, rank: int, rfd: int, wfd: int) -> None:
+        self.rank, self.rfd, self.wfd = rank, rfd, wfd
+        self._open = [rfd, wfd]
+
+    @property
+    def fds(self) -> tuple[int, int]:
+        return self.rfd, self.wfd
+
+    def close(self) -> None:
+        while self._open:
+            fd = self._open.pop()
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def exchange(self, blob: bytes) -> bytes | None:
+        """Send `blob`, receive the other's (None: its end closed first)."""
+        failed: list[BaseException] = []
+        wfd, rfd = self.wfd, self.rfd
+        self._open = []  # (the files below close them)
+
+        def send() -> None:
+            try:
+                with open(wfd, "wb", closefd=True) as f:
+                    f.write(len(blob).to_bytes(8, "little"))
+                    f.write(blob)
+            except OSError as exc:  # the other closed its end: it reads alone
+                failed.append(exc)
+
+        writer = threading.Thread(target=send, daemon=True)
+        writer.start()
+        try:
+            with open(rfd, "rb", closefd=True) as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    return None
+                size = int.from_bytes(head, "little")
+                data = f.read(size)
+                return data if len(data) == size else None
+        finally:
+            writer.join()
+
+
+def _shared(
+    cls: type[Trace], reader: Reader, files: list[Path], source: str, peer: Peer
+) -> Trace | None:
+    """`_chunked`'s trace, half of it read here, half by `peer`'s process
+    (see `Peer`). The chunks up to the first with a request (where the
+    instant the requests are converted against is known) are read by both
+    and taken by rank 0. None where `_chunked` must read it instead,
+    decided the same in both: a later chunk holds a record earlier than
+    that instant (`_chunked` would give None: the caller's reading at
+    once), no request at all, or the other side failed."""
+    rank = peer.rank
+    reqs: list[Request] = []
+    failed: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = []
+    # Per chunk taken here: (index, requests, others, failed, latest
+    # instant or None, calls, latest end, not records, lines not JSON).
+    stats: list[tuple[int, int, int, int, Any, bool, float, int, int]] = []
+    lo: Any = None
+    early = False  # a record earlier than the first chunk's: all at once
+    head = True  # up to the first chunk with a request: read by both, taken by 0
+    i = 0
+    for f in files:
+        for lines in reader.raw_chunks(f):
+            if not head and i % 2 != rank:
+                i += 1
+                continue
+            skipped = reader.skipped
+            recs, ts, ks, bad = _records(reader, lines)
+            is_req = list(map(eq, ks, repeat("req")))
+            if head:
+                # (`_chunked`'s earliest instant: no request converted yet)
+                if ts and (lo is None or min(ts) < lo):
+                    lo = min(ts)
+                head = True not in is_req
+                if rank:  # (read here for the instant only)
+                    reader.skipped = skipped
+                    i += 1
+                    continue
+            elif ts and min(ts) < lo:
+                early = True
+                break
+            n_req, n_failed, n_others = len(reqs), len(failed), len(others)
+            calls, end = False, -math.inf
+            if True in is_req:
+                calls, end = _requests(list(compress(recs, is_req)), lo, reqs, failed)
+                others += compress(recs, map(not_, is_req))
+            else:
+                others += recs
+            stats.append(
+                (
+                    i,
+                    len(reqs) - n_req,
+                    len(others) - n_others,
+                    len(failed) - n_failed,
+                    max(ts) if ts else None,
+                    calls,
+                    end,
+                    bad,
+                    reader.skipped - skipped,
+                )
+            )
+            i += 1
+        if early:
+            break
+    if head:  # no request (the same in both)
+        return None
+    got = peer.exchange(marshal.dumps((early, _columns(reqs), others, stats)))
+    if got is None:
+        return None
+    p_early, p_cols, p_others, p_stats = marshal.loads(got)
+    del got
+    if early or p_early:
+        return None
+    p_reqs = _from_columns(p_cols)
+    del p_cols
+    # The chunks in order: their requests and other records as `_chunked`
+    # took them, its figures folded the same way.
+    mine = (reqs, others)
+    theirs = (p_reqs, p_others)
+    all_reqs: list[Request] = []
+    all_others: list[dict[str, Any]] = []
+    at = {0: [0, 0], 1: [0, 0]}  # (mine, theirs): next request, next other
+    hi: Any = None
+    calls = False
+    end = -math.inf
+    bad = n_failed = skipped = 0
+    for st, side in sorted([*zip(stats, repeat(0)), *zip(p_stats, repeat(1))]):
+        _idx, n_req, n_oth, n_fail, top, c, e, n_bad, n_skip = st
+        rs, os_ = (mine, theirs)[side]
+        pos = at[side]
+        all_reqs += rs[pos[0] : pos[0] + n_req]
+        all_others += os_[pos[1] : pos[1] + n_oth]
+        pos[0] += n_req
+        pos[1] += n_oth
+        if top is not None and (hi is None or top > hi):
+            hi = top
+        calls = calls or c
+        if e > end:
+            end = e
+        bad += n_bad
+        n_failed += n_fail
+        if side:
+            skipped += n_skip
+    del reqs, others, p_reqs, p_others, mine, theirs
+    reader.skipped += skipped
+    tr = cls(start=lo, end=hi - lo, source=source, skipped=bad + n_failed)
+    all_reqs.sort(key=_Q_T)
+    tr.requests, tr.calls = all_reqs, calls
+    all_others.sort(key=_T)
+    tr._others(all_others, end)
+    return tr
+
+
+def _columns(reqs: list[Request]) -> tuple[Any, ...] | None:
+    """Requests as columns of plain values (`marshal`'s): their fields but
+    the attempts, the attempts' count per request (None: one each), the
+    attempts' fields."""
+    if not reqs:
+        return None
+    cols = list(zip(*reqs, strict=True))
+    atts = cols.pop(7)
+    counts = list(map(len, atts))
+    flat = list(itertools.chain.from_iterable(atts))
+    del atts
+    a_cols = list(zip(*flat, strict=True))
+    return (cols, None if counts.count(1) == len(counts) else counts, a_cols, len(flat))
+
+
+def _from_columns(cols: tuple[Any, ...] | None) -> list[Request]:
+    """`_columns`' requests back."""
+    if cols is None:
+        return []
+    fields, counts, a_fields, n_atts = cols
+    atts: list[Attempt] = (
+        list(map(_new, repeat(Attempt), zip(*a_fields, strict=True))) if n_atts else []
+    )
+    per: Any
+    if counts is None:
+        per = zip(atts)  # (one each: 1-tuples)
+    else:
+        it = iter(atts)
+        per = [tuple(itertools.islice(it, n)) for n in counts]
+    return list(map(_new, repeat(Request), zip(*fields[:7], per, *fields[7:], strict=True)))
 
 
 class _Slow(Exception):

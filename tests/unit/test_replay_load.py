@@ -175,3 +175,82 @@ def test_a_trace_in_time_order_is_converted_chunk_by_chunk(
     chunked.skipped += reader.skipped
     assert repr(chunked) == repr(whole)
     assert chunked.skipped == 2 and len(chunked.requests) == 200
+
+
+def _shared_load(path: Path) -> tuple[Trace, Trace, list[bool]]:
+    """`Trace.load` by two readers sharing the work (`Peer`: threads here,
+    the replay's two processes in `run_replay`), and whether each shared it."""
+    import os
+    import threading
+
+    down, up = os.pipe(), os.pipe()
+    peers = [trace_mod.Peer(0, up[0], down[1]), trace_mod.Peer(1, down[0], up[1])]
+    out: list[Trace | None] = [None, None]
+
+    def read(k: int) -> None:
+        out[k] = Trace.load(path, peer=peers[k])
+
+    readers = [threading.Thread(target=read, args=(k,)) for k in (0, 1)]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join()
+    a, b = out
+    assert a is not None and b is not None
+    return a, b, [not p._open for p in peers]
+
+
+@pytest.mark.parametrize("chunk", [64, 300, 1 << 16])
+def test_a_reading_shared_by_two_loads_the_same_in_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Two readers of one recording each parse every other chunk and
+    exchange what they converted: both get the trace one reader gets —
+    a recording in time order (shared), one with a later chunk holding an
+    earlier record (both read it all at once), the drills' recordings."""
+    monkeypatch.setattr(recording, "READ_CHUNK", chunk)
+    shared: list[bool] = []
+    real = trace_mod._shared
+
+    def spy(*args: Any) -> object:
+        out = real(*args)
+        shared.append(out is not None)
+        return out
+
+    monkeypatch.setattr(trace_mod, "_shared", spy)
+    lines = [orjson.dumps({"k": "seg", "t": T - 5, "v": 1, "pid": 1})]
+    lines += [orjson.dumps({"k": "policy", "t": T, "hash": "h", "knobs": {}})]
+    lines += [_req(0.1 * i, sid="s1" if i % 3 else None) for i in range(300)]
+    lines.insert(50, b"not json")
+    lines.insert(90, orjson.dumps({"k": "tick", "t": T + 3}))
+    lines.insert(120, _req(5.0, s="200"))  # not readable
+    lines.insert(130, _req(6.0, att=[]))
+    lines.insert(140, _req(7.0, ttft=1, d=2))  # ints
+    in_order = tmp_path / "t.jsonl.gz"
+    in_order.write_bytes(_member(lines[:100]) + _member(lines[100:]))
+    late = tmp_path / "rec"
+    _recording(late)
+    fixtures = Path(__file__).parents[1] / "fixtures" / "recordings"
+    for path in [in_order, late, *sorted(fixtures.iterdir())]:
+        shared.clear()
+        alone = Trace.load(path)
+        a, b, closed = _shared_load(path)
+        assert repr(a) == repr(alone) and repr(b) == repr(alone), path.name
+        assert closed == [True, True]
+        if path is in_order and chunk < 1 << 16:
+            assert shared == [True, True]
+        if path is late:
+            assert shared == [False, False]
+
+
+def test_a_reader_whose_peer_is_gone_reads_alone(tmp_path: Path) -> None:
+    import os
+
+    lines = [_req(0.1 * i) for i in range(50)]
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(_member(lines))
+    down, up = os.pipe(), os.pipe()
+    os.close(down[0])  # the other's ends: closed (it failed, or died)
+    os.close(up[1])
+    tr = Trace.load(path, peer=trace_mod.Peer(0, up[0], down[1]))
+    assert repr(tr) == repr(Trace.load(path))
