@@ -83,10 +83,10 @@ FIDELITY_GATED = frozenset(
         "redis_stop",
         "fallback_kill",
         "broken_reload",
-        "hostile",
         "bad_canary",
     }
-)
+)  # drill 8 (hostile) meets the goal on both saved recordings (tests/unit/test_replay_drills.py)
+# but its second only narrowly (TTFT p95 23 % off, 25 % allowed): reported, not yet gated live
 
 __all__ = [
     "DRILLS",
