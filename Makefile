@@ -3,11 +3,12 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Install stamps, keyed on pyproject.toml: `make run` installs what running
+# Install stamps, keyed on pyproject.toml (and setup.py, the C scanner): `make run` installs what running
 # needs (the proxy, the fallback server, the tiny model: `.[fallback]`);
 # `make test` adds the test and lint tools and the optional OpenTelemetry
 # exporter on top (`.[fallback,test,otel]`).
-PYPROJECT_HASH := $(shell cat pyproject.toml | md5sum | cut -c1-8)
+# setup.py builds the C scanner (proxy/openai/_runscan.c): a change reinstalls.
+PYPROJECT_HASH := $(shell cat pyproject.toml setup.py proxy/openai/_runscan.c | md5sum | cut -c1-8)
 RUN_STAMP := $(VENV)/.installed-run-$(PYPROJECT_HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(PYPROJECT_HASH)
 PIP := PIP_DISABLE_PIP_VERSION_CHECK=1 $(PY) -m pip install -q

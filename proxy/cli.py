@@ -177,11 +177,13 @@ class _TopHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from proxy import __version__
+    from proxy.openai.chunkrun import NATIVE
 
+    scanner = "C run scanner" if NATIVE is not None else "pure-Python run scanner"
     parser = argparse.ArgumentParser(
         prog="brownout", description=__doc__, epilog=EXIT_CODES, formatter_class=_TopHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} ({scanner})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy.")

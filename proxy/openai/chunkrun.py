@@ -15,12 +15,22 @@ on it.)
 
 Sound because a JSON string cannot hold a raw newline: cutting at `\\n`
 finds every event, and byte equality with `prefix + literal + suffix` for
-each leaves nothing unchecked.
+each leaves nothing unchecked. Each literal must also be a whole JSON string
+body (no bare `"`, no escape cut off), so the joined literals decode to the
+joined texts.
+
+Two implementations, one verdict: the C scanner `proxy.openai._runscan`
+(built by setup.py where a compiler exists: one pass of memcmp/memchr, no
+object per event) and the pure-Python cut below (`BytesIO.readlines`, a slice
+per event, the rebuilt envelope compared in place). `BROWNOUT_PURE=1` forces
+the pure one; `tests/unit/test_runscan.py` holds the two to the same answers.
 """
 
 from __future__ import annotations
 
 import operator
+import os
+import re
 from collections.abc import Callable
 from io import BytesIO
 from typing import Final, NamedTuple, cast
@@ -35,6 +45,30 @@ MAX_LEARN_FAILURES: Final = 4
 # Envelope bytes rebuilt per comparison (`ChunkRuns.cut`): half of glibc's
 # mmap threshold (128 KB), whatever the envelope's size.
 JOIN_BYTES: Final = 64 << 10
+# A whole JSON string body (what the C scanner checks byte by byte).
+_WHOLE: Final = re.compile(rb'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+
+Scan = Callable[[bytes, int, int, bytes, bytes], "tuple[int, bytes, int] | None"]
+# The C scanner's interface version this module speaks (`_runscan.ABI`).
+NATIVE_ABI: Final = 1
+
+
+def native_scan() -> Scan | None:
+    """The C scanner, or None: not built (no compiler), built from another
+    version of its source, or `BROWNOUT_PURE=1`."""
+    if os.environ.get("BROWNOUT_PURE") == "1":
+        return None
+    try:
+        from proxy.openai import _runscan  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return None
+    if getattr(_runscan, "ABI", None) != NATIVE_ABI:
+        return None
+    return cast("Scan", _runscan.scan)
+
+
+# Chosen once, at import.
+NATIVE: Final = native_scan()
 
 
 class Run(NamedTuple):
@@ -44,7 +78,9 @@ class Run(NamedTuple):
 
     start: int
     end: int
-    literals: list[bytes]  # each chunk's raw JSON string contents (escapes kept)
+    events: int  # events in the run
+    raw: bytes  # their JSON string contents (escapes kept), joined: whole literals
+    empties: int  # events whose literal is empty
     chat: bool = True  # the literals are `"content"` (chat), else `"text"` (completions)
 
 
@@ -59,10 +95,12 @@ class ChunkRuns:
         "_last",
         "_literal",
         "_prefix",
+        "_scan",
         "_suffix",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, scan: Scan | None = NATIVE) -> None:
+        self._scan = scan
         self._prefix = b""
         self._suffix = b""
         self._junction = b""
@@ -121,6 +159,21 @@ class ChunkRuns:
         lp, ls = len(prefix), len(suffix)
         if j - i < lp + ls:
             return None
+        scan = self._scan
+        if scan is not None:
+            found = scan(region, i, j, prefix, suffix)
+            if found is None:
+                return None
+            return Run(i, j, found[0], found[1], found[2], self._chat)
+        return self._cut_pure(region, i, j)
+
+    def _cut_pure(self, region: bytes, i: int, j: int) -> Run | None:
+        """`cut`'s run in pure Python: region[i:j] starts with the prefix
+        and ends with the suffix."""
+        literal = self._literal
+        assert literal is not None
+        n = len(region)
+        lp, ls = len(self._prefix), len(self._suffix)
         # region[:i] and region[i:j] both end with a newline, so the lines of
         # region[i:j] are lines[h:t] of the region's: e1, "", e2, "", …, ek, ""
         # (each with its newline), after the h lines of region[:i] and before
@@ -141,7 +194,7 @@ class ChunkRuns:
             body = junction.join(literals)
             if len(body) != end - at or not region.startswith(body, at):
                 return None
-            return Run(i, j, literals, self._chat)
+            return self._whole(i, j, literals)
         for b in range(0, len(literals), batch):
             if b:
                 if not region.startswith(junction, at):
@@ -153,7 +206,16 @@ class ChunkRuns:
             at += len(piece)
         if at != end:
             return None
-        return Run(i, j, literals, self._chat)
+        return self._whole(i, j, literals)
+
+    def _whole(self, i: int, j: int, literals: list[bytes]) -> Run | None:
+        """The run, if every literal is a whole JSON string body."""
+        raw = b"".join(literals)
+        if (raw.find(b"\\") >= 0 or raw.find(b'"') >= 0) and not all(
+            map(_WHOLE.fullmatch, literals)
+        ):
+            return None
+        return Run(i, j, len(literals), raw, literals.count(b""), self._chat)
 
     def _learn(self, event: bytes) -> bool:
         ok = (

@@ -64,7 +64,7 @@ def markers(region: bytes, run: Run | None = None) -> tuple[int, int, bool, int]
         more, err_at, fin, done_at = _search(region[end:], end)
         events += more
         finished = finished or fin
-    return events + len(run.literals), err_at, finished, done_at
+    return events + run.events, err_at, finished, done_at
 
 
 _NOTHING: Final = (0, -1, False, -1)  # `_search(b"", 0)`

@@ -97,8 +97,8 @@ def _literals_with_runs(
         for i, (start, end) in enumerate(_spans(region, run)):
             if i == 1:  # between the two spans: the run
                 assert run is not None
-                parts.append(b"".join(run.literals))
-                chunks += len(run.literals) - run.literals.count(b"")
+                parts.append(run.raw)
+                chunks += run.events - run.empties
             if start == end:
                 continue
             k = region.count(_INDEX0, start, end) or region.count(_INDEX0_SPACED, start, end)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.guard.compiled import Guard
-from proxy.openai.chunkrun import JOIN_BYTES, ChunkRuns
+from proxy.openai.chunkrun import JOIN_BYTES, NATIVE, ChunkRuns, Run, Scan
 from proxy.openai.chunks import markers
 from proxy.policy import GuardPolicy
 
@@ -40,23 +41,39 @@ def answer(words: list[str]) -> bytes:
 WORDS = [f"word{i} " for i in range(40)] + ['say "hi"\n', "back\\slash", "é 日本", "\t"]
 
 
-def learnt(region: bytes) -> ChunkRuns:
-    runs = ChunkRuns()
+# Both scanners, held to the same answers (the C one where it is built:
+# test_runscan.py fails if a compiler exists and it is not).
+SCANS = [
+    pytest.param(None, id="pure"),
+    pytest.param(NATIVE, id="native", marks=pytest.mark.skipif(NATIVE is None, reason="not built")),
+]
+both = pytest.mark.parametrize("scan", SCANS)
+
+
+def learnt(region: bytes, scan: Scan | None = NATIVE) -> ChunkRuns:
+    runs = ChunkRuns(scan)
     runs.cut(region)
     return runs
 
 
-def test_a_burst_is_one_run_between_the_first_and_last_chunks() -> None:
+def texts(run: Run) -> str:
+    return str(json.loads(b'"' + run.raw + b'"'))
+
+
+@both
+def test_a_burst_is_one_run_between_the_first_and_last_chunks(scan: Scan | None) -> None:
     region = answer(WORDS)
-    run = ChunkRuns().cut(region)  # learnt from the middle of a big first region
+    run = ChunkRuns(scan).cut(region)  # learnt from the middle of a big first region
     assert run is not None
     first, last = chunk("", role=True), chunk("", finish="stop") + DONE
     assert (run.start, run.end) == (len(first), len(region) - len(last))
-    assert [json.loads(b'"' + lit + b'"') for lit in run.literals] == WORDS
+    assert texts(run) == "".join(WORDS)
+    assert (run.events, run.empties) == (len(WORDS), 0)
 
 
-def test_small_regions_and_other_envelopes_are_not_runs() -> None:
-    runs = learnt(answer(WORDS))
+@both
+def test_small_regions_and_other_envelopes_are_not_runs(scan: Scan | None) -> None:
+    runs = learnt(answer(WORDS), scan)
     assert runs.cut(chunk("one")) is None  # below MIN_RUN_BYTES: plain searches
     usage = b"".join(chunk(w, usage={"completion_tokens": i}) for i, w in enumerate(WORDS))
     assert runs.cut(usage) is None  # the envelope changes per chunk
@@ -91,6 +108,7 @@ EVENT = st.one_of(
 )
 
 
+@both
 @settings(max_examples=300, deadline=None)
 @given(
     teach=st.lists(st.sampled_from(WORDS), min_size=30, max_size=30),
@@ -98,11 +116,11 @@ EVENT = st.one_of(
     pad=st.integers(0, 40),
 )
 def test_a_run_never_changes_the_relays_or_the_guards_verdict(
-    teach: list[str], events: list[bytes], pad: int
+    scan: Scan | None, teach: list[str], events: list[bytes], pad: int
 ) -> None:
     """Any region, after any learnt envelope: the relay's markers and the
     guard's verdict with the run equal those without it."""
-    runs = learnt(answer(teach))
+    runs = learnt(answer(teach), scan)
     region = b"".join([chunk("x") for _ in range(pad)] + events)
     run = runs.cut(region)
     assert markers(region, run) == markers(region)
@@ -110,12 +128,22 @@ def test_a_run_never_changes_the_relays_or_the_guards_verdict(
     without = GUARD.stream().feed(region)
     assert with_run == without
     if run is not None:
-        assert all(b"\n" not in lit for lit in run.literals)
+        assert b"\n" not in run.raw
 
 
-def _cut_by_splitting(runs: ChunkRuns, region: bytes) -> tuple[int, int, list[bytes]] | None:
+def whole(literal: bytes) -> bool:
+    """A whole JSON string body, by the json module (any bytes, as latin-1)."""
+    try:
+        json.loads('"' + literal.decode("latin-1") + '"', strict=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _cut_by_splitting(runs: ChunkRuns, region: bytes) -> tuple[int, int, int, bytes, int] | None:
     """The run `ChunkRuns.cut` finds, the plain way: the run's bytes split on
-    newlines, each event line sliced, the envelope rebuilt and compared."""
+    newlines, each event line sliced, the envelope rebuilt and compared, each
+    literal checked by the json module."""
     prefix, suffix = runs._prefix, runs._suffix
     if region.startswith(prefix):
         i = 0
@@ -134,9 +162,16 @@ def _cut_by_splitting(runs: ChunkRuns, region: bytes) -> tuple[int, int, list[by
     literals = [line[len(prefix) : 2 - len(suffix)] for line in lines[0:-2:2]]
     if prefix + (suffix + prefix).join(literals) + suffix != mid:
         return None
-    return i, j, literals
+    if not all(map(whole, literals)):
+        return None
+    return i, j, len(literals), b"".join(literals), literals.count(b"")
 
 
+def found(run: Run | None) -> tuple[int, int, int, bytes, int] | None:
+    return None if run is None else (run.start, run.end, run.events, run.raw, run.empties)
+
+
+@both
 @settings(max_examples=300, deadline=None)
 @given(
     head=st.lists(EVENT, max_size=3),
@@ -145,31 +180,29 @@ def _cut_by_splitting(runs: ChunkRuns, region: bytes) -> tuple[int, int, list[by
     end=st.sampled_from([b"", b"\n", b"data: {", b"\n\n\n", b'"}', b"\r\n"]),
 )
 def test_a_run_is_exactly_what_splitting_the_region_finds(
-    head: list[bytes], body: list[bytes], tail: list[bytes], end: bytes
+    scan: Scan | None, head: list[bytes], body: list[bytes], tail: list[bytes], end: bytes
 ) -> None:
     """Issue 24: the run is cut without splitting the region on every byte;
     it is the same run, with the same literals, as the plain way finds."""
-    runs = learnt(answer(WORDS))
+    runs = learnt(answer(WORDS), scan)
     region = b"".join(head + [chunk("x")] * 12 + body + tail) + end
-    want = _cut_by_splitting(runs, region)
-    run = runs.cut(region)
-    got = None if run is None else (run.start, run.end, run.literals)
-    assert got == want
+    assert found(runs.cut(region)) == _cut_by_splitting(runs, region)
 
 
-def test_a_burst_longer_than_one_batch_is_compared_whole() -> None:
+@both
+def test_a_burst_longer_than_one_batch_is_compared_whole(scan: Scan | None) -> None:
     """The rebuilt envelope is compared a batch of literals (JOIN_BYTES of
     envelope) at a time: a change anywhere (inside a batch, in the junction
     between two batches, at the very end) is still found, and a burst of
     several batches is one run."""
-    runs = learnt(answer(WORDS))
+    runs = learnt(answer(WORDS), scan)
     batch = runs._batch
     assert 16 <= batch <= JOIN_BYTES // len(runs._junction)
     words = [f"w{i} " for i in range(3 * batch + 5)]
     region = answer(words)
     run = runs.cut(region)
-    assert run is not None and [json.loads(b'"' + lit + b'"') for lit in run.literals] == words
-    assert _cut_by_splitting(runs, region) == (run.start, run.end, run.literals)
+    assert run is not None and texts(run) == "".join(words) and run.events == len(words)
+    assert _cut_by_splitting(runs, region) == found(run)
     events = [chunk(w) for w in words]
     # The first chunk of the second batch (its junction), one inside the
     # third batch and the last chunk of the run become other events.
@@ -183,6 +216,5 @@ def test_a_burst_longer_than_one_batch_is_compared_whole() -> None:
             region = b"".join([chunk("", role=True), *changed, chunk("", finish="stop"), DONE])
             want = _cut_by_splitting(runs, region)
             run = runs.cut(region)
-            got = None if run is None else (run.start, run.end, run.literals)
-            assert got == want
+            assert found(run) == want
             assert markers(region, run) == markers(region)

@@ -127,8 +127,8 @@ def test_the_answer_is_read_from_the_relays_runs_as_from_the_bytes() -> None:
     run = runs[first]
     assert run is not None
     lied = [*runs]
-    lied[first] = Run(run.start, run.end, [b"X"] * len(run.literals))
-    assert "X" * len(run.literals) in partial_text(regions, "chat", lied)[0]
+    lied[first] = Run(run.start, run.end, run.events, b"X" * run.events, 0)
+    assert "X" * run.events in partial_text(regions, "chat", lied)[0]
     # Unfinished: no answer, with or without runs.
     assert streamed_answer(regions[:-1], "chat", runs[:-1]) is None
 
