@@ -154,3 +154,27 @@ def test_drill_8_second_run_meets_the_fidelity_goal() -> None:
     the fallback: replayed so, not as a 1020-token answer holding a slot of
     the primary (the others' TTFT p95 0.497 s against 0.363 s recorded)."""
     assert_goal(fidelity("recording-drill-8-run2.jsonl.gz"))
+
+
+def test_drill_8_stream_begun_then_timed_out_ends_as_recorded() -> None:
+    """The hostile client's stream whose first byte never came (the proxy had
+    sent its headers and heartbeats, then ended it with an error event, no
+    rescue) ends so in the replay too: one client error, as recorded, not a
+    failover answered by the fallback (0 replayed; its late TTFT then sat
+    among the others and moved drill 8's second run's TTFT p95 onto the
+    0.363 -> 0.488 s cliff of its last few values)."""
+    for name in ("recording-drill-8.jsonl.gz", "recording-drill-8-run2.jsonl.gz"):
+        fid = fidelity(name)
+        counts = fid["counts"]
+        assert isinstance(counts, dict)
+        assert counts["client_errors"]["recorded"] == 1, (name, counts)
+        assert counts["client_errors"]["replayed"] == 1, (name, counts)
+
+
+def test_drill_2_rescued_first_byte_timeouts_still_go_to_the_fallback() -> None:
+    """Drill 2's first-byte timeouts after the stream began were rescued on
+    the fallback: they are not ended as client errors."""
+    fid = fidelity("recording-drill-2.jsonl.gz")
+    counts = fid["counts"]
+    assert isinstance(counts, dict)
+    assert counts["client_errors"]["replayed"] == 0, counts
