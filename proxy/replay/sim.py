@@ -28,7 +28,10 @@ there the replay's probe of the dead backend fails at once all the same).
 
 A request whose first recorded attempt a backend refused before sending it
 (its context past the backend's window) is refused there again and goes
-on to the next candidate.
+on to the next candidate. A stream whose first recorded attempt ended in a
+first-byte timeout after the proxy had begun the client's answer (headers,
+heartbeats), not rescued, ends so again if the replay times it out there:
+a client error, not a failover.
 
 Not replayed (documented limits): per-model breakers, a gray release (the
 candidate's requests are replayed on the primary), sessions and trimming
@@ -745,6 +748,14 @@ class Sim:
             self.failure(b, permit, out.fault, f.q.client)
             self.rescue(f, b, out)
             return
+        if out.fault == "first_byte_timeout" and not f.retries and _stream_begun(f.q, b.name):
+            # The recorded proxy had begun this client's stream (headers and
+            # heartbeats) before the backend's first byte and ended it with an
+            # error event, not rescued: so does a first-byte timeout here.
+            self.failure(b, permit, out.fault, f.q.client)
+            self._done(f)
+            self.run.client_errors += 1
+            return
         # Failed before the first byte: retry, the next candidate, or the end.
         result = AttemptResult(
             "failed", b.name, out.status, "error", fault=out.fault, retry=_retry_kind(out)
@@ -912,6 +923,22 @@ class Sim:
 
 
 _ARRIVAL = itemgetter(0)  # a Request's `t`
+
+
+def _stream_begun(q: Request, backend: str) -> bool:
+    """`q`'s recorded first attempt, on `backend`, was a stream the proxy had
+    begun for the client (its headers and heartbeats went out) that ended
+    with a first-byte timeout, and was not rescued (chaos drill 8: the
+    hostile client's stream; the replay failed it over to the fallback and
+    answered it, one client error short and one TTFT too many)."""
+    a = q.attempts[0] if q.attempts else None
+    return (
+        a is not None
+        and not q.rescued
+        and a.backend == backend
+        and a.kind == "ended"
+        and a.fault == "first_byte_timeout"
+    )
 
 
 def _retry_kind(out: Outcome) -> str:
