@@ -196,8 +196,19 @@ class Admission:
         raises Rejected for a sheddable request in the throttle tier."""
         if self.shed_sheddable and priority == "sheddable":
             raise Rejected("shed", self.retry_after())
-        if self.inflight < self.limit and (not self._queued or not self._ahead_of(priority)):
-            self._take(client)
+        inflight = self.inflight
+        if inflight < self.limit and (not self._queued or not self._ahead_of(priority)):
+            # `_take` and `_advance`, inline: every admitted request.
+            now = self.clock()
+            dt = now - self._t
+            if dt > 0 and inflight > 0:
+                keep = math.exp(-dt / DRAIN_WINDOW_S)
+                self._area = self._area * keep + inflight * dt
+                self._done *= keep
+            self._t = now
+            self.inflight = inflight + 1
+            held = self.held
+            held[client] = held.get(client, 0) + 1
             return True
         return False
 
@@ -249,8 +260,16 @@ class Admission:
         return max(1, -(-self.limit // n)), n
 
     def release(self, client: str = "") -> None:
-        self._advance()
-        self.inflight -= 1
+        # `_advance`, inline: every request.
+        now = self.clock()
+        inflight = self.inflight
+        dt = now - self._t
+        if dt > 0 and inflight > 0:
+            keep = math.exp(-dt / DRAIN_WINDOW_S)
+            self._area = self._area * keep + inflight * dt
+            self._done *= keep
+        self._t = now
+        self.inflight = inflight - 1
         held = self.held
         n = held.get(client, 0) - 1
         if n > 0:
@@ -258,7 +277,8 @@ class Admission:
         else:
             held.pop(client, None)
         self._done += 1.0
-        self._wake()
+        if self._queued:  # (`_wake` has nobody to wake otherwise)
+            self._wake()
 
     def _wake(self) -> None:
         while self.inflight < self.limit and self._queued:

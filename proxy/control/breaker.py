@@ -120,6 +120,19 @@ class BackendBreaker:
     # -- outcomes ----------------------------------------------------------------
 
     def record_success(self, permit: Permit) -> None:
+        if self.state == "closed" and permit.owner is self and permit.epoch == self._epoch:
+            # A closed breaker's success (every answer): `_counts` and
+            # `_observe`, inline.
+            self.outcomes += 1
+            self._consecutive = 0
+            now = self.clock()
+            q = self._outcomes
+            q.append((now, True))
+            horizon = now - self.policy.window_s
+            while q and q[0][0] < horizon:
+                if not q.popleft()[1]:
+                    self._failures_in_window -= 1
+            return
         if not self._counts(permit):
             return
         if self.state == "half-open":

@@ -73,7 +73,14 @@ class Window:
         thr = self._thr
         if thr is not None:
             if len(vs) == self.cap:
-                self._drop(vs[0])  # the deque drops its oldest
+                # The deque drops its oldest (`_drop`, inline: every sample
+                # of a full window).
+                old = vs[0]
+                if old >= thr:
+                    hi = self._hi
+                    del hi[bisect.bisect_left(hi, old)]
+                else:
+                    self._below -= 1
             if v >= thr:
                 bisect.insort(self._hi, v)
             else:

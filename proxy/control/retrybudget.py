@@ -35,7 +35,8 @@ class RetryBudget:
 
     def request(self, now: float, window_s: float) -> None:
         """A first attempt on this backend (retries are not counted here)."""
-        self._roll(now, window_s)
+        if now - self._start >= window_s:  # (`_roll`'s own test, first: every request)
+            self._roll(now, window_s)
         self._requests += 1
 
     def take(self, now: float, window_s: float, ratio: float, floor: int) -> bool:

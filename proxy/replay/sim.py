@@ -47,6 +47,7 @@ their times.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import random
@@ -144,26 +145,41 @@ class _Slot:
 
 class Flight:
     """One request on its way (the replay's `RequestRecord`). One per
-    request: made with three attributes, the others the class's until set
-    (a dataclass's `__init__` set all sixteen)."""
+    request: slots, each set once in `__init__` (a class's defaults read
+    through an instance are looked up generically on every read; a
+    dataclass's `__init__` costs its arguments)."""
 
-    order: list[Backend]
-    arrived: float = 0.0
-    idx: int = 0
-    retries: int = 0
-    permit: Permit | None = None
-    backend: Backend | None = None
-    slot: bool = False  # holds an admission slot
-    waiter: Waiter | None = None
-    sent_at: float = 0.0
-    started: float = 0.0  # the current candidate's first admission
-    deadline: float = 0.0  # the current attempt's first-byte deadline
-    done: bool = False
-    failed: bool = False  # some attempt failed before the first byte (the last result)
-    cut: bool = False
+    __slots__ = (
+        "arrived",
+        "backend",
+        "cut",
+        "deadline",
+        "done",
+        "failed",
+        "idx",
+        "order",
+        "permit",
+        "q",
+        "retries",
+        "sent_at",
+        "slot",
+        "started",
+        "waiter",
+    )
 
     def __init__(self, q: Request, order: list[Backend], arrived: float = 0.0) -> None:
         self.q, self.order, self.arrived = q, order, arrived
+        self.idx = self.retries = 0
+        self.permit: Permit | None = None
+        self.backend: Backend | None = None
+        self.waiter: Waiter | None = None
+        self.slot = False  # holds an admission slot
+        self.done = False
+        self.failed = False  # some attempt failed before the first byte (the last result)
+        self.cut = False
+        self.sent_at = 0.0
+        self.started = 0.0  # the current candidate's first admission
+        self.deadline = 0.0  # the current attempt's first-byte deadline
 
 
 @dataclass
@@ -196,7 +212,8 @@ class Sim:
         self.policy = policy
         self.trace = trace
         self.now = 0.0
-        self.clock: Callable[[], float] = lambda: self.now
+        # The control code's clock: `self.now`, read without a Python frame.
+        self.clock: Callable[[], float] = functools.partial(getattr, self, "now")
         self.rng = random.Random(seed)
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
@@ -506,11 +523,14 @@ class Sim:
         """Where a request goes and its candidates in order (lists shared by
         the requests: never changed in place)."""
         dest = self.ladder.route()
+        return dest, self._order_of(dest)
+
+    def _order_of(self, dest: Destination) -> list[Backend]:
         if dest == "maintenance":
-            return dest, []
+            return []
         p, f = self.primary, self.fallback
         if dest == "primary" or f is None:
-            return dest, self._order_p
+            return self._order_p
         fo = self._fo
         if (
             not fo.recovery_probe
@@ -518,8 +538,8 @@ class Sim:
             and (p.breaker.state == "half-open" or self.now >= p.breaker.retry_at())
             and self.ladder.forced is None
         ):
-            return dest, self._order_pf
-        return dest, self._order_fp
+            return self._order_pf
+        return self._order_fp
 
     def _orders(self) -> None:
         p, f = self.primary, self.fallback
@@ -541,7 +561,9 @@ class Sim:
         run.requests += 1
         if self._overlaps:
             self._overlap(q)
-        dest, order = self.route()
+        # `route`, inline for the primary (every request of a normal tier).
+        dest = self.ladder.route()
+        order = self._order_p if dest == "primary" else self._order_of(dest)
         if dest == "maintenance":
             self.finish_maintenance(q)
             self._ended(q)

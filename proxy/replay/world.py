@@ -83,7 +83,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter, sub
+from operator import and_, itemgetter, sub
 from typing import NamedTuple
 
 from proxy.replay.trace import BACKENDS, Attempt, Cond, EngineSample, Probe, Request, Trace
@@ -749,11 +749,20 @@ def _kills(
                         for a in attempts
                         if a.kind == "answered" and a.status < 500
                     ]
-                    survived += zip(a_start, a_end, strict=True)
-                if not any(a < s.start < b for a, b in survived):
-                    out.append(s.start)
+                x = s.start
+                if not any(a < x < b for a, b in survived) and not _across(a_start, a_end, x):
+                    out.append(x)
         prev = s.state
     return sorted(out)
+
+
+def _across(starts: Sequence[float], ends: Sequence[float], x: float) -> bool:
+    """Whether some answer began before `x` and ended after it (`starts[i]
+    < x < ends[i]`): the comparisons in C, no tuple per answer (there are
+    millions)."""
+    if len(starts) != len(ends):
+        raise ValueError("starts and ends differ in length")
+    return any(map(and_, map(x.__gt__, starts), map(x.__lt__, ends)))
 
 
 def _probe_gap(probes: Sequence[Probe]) -> float:
@@ -967,6 +976,9 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
     tpots: list[float] = []  # time per token (0: not a stream)
     keep_first, keep_tpot = firsts.append, tpots.append
     recorded = bw._recorded
+    # Per level of concurrency, the answers' TTFTs and times per token (> 0).
+    ttft_pts: dict[int, list[float]] = defaultdict(list)
+    tpot_pts: dict[int, list[float]] = defaultdict(list)
     for start, end, ttft, q, k in zip(starts, d.a_end, d.a_ttft, d.a_q, ks, strict=True):
         x = end - start
         whole = x if x > 1e-4 else 1e-4  # (max(1e-4, x), min(), max(): inline, the same)
@@ -976,7 +988,11 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
         if whole < first:
             first = whole
         keep_first(first)
-        keep_tpot((whole - first) / (q[6] if q[6] > 1 else 1) if stream else 0.0)
+        ttft_pts[k].append(first)
+        tp = (whole - first) / (q[6] if q[6] > 1 else 1) if stream else 0.0
+        keep_tpot(tp)
+        if tp > 0:
+            tpot_pts[k].append(tp)
         # What `latency` takes of the request's (first) answer here.
         key = id(q)
         if key not in recorded:
@@ -988,15 +1004,12 @@ def _fit(bw: BackendWorld, trace: Trace, d: _Seen, tokens: float, notes: list[st
     seen_top = max(ks, default=0)
     cap = model.get("capacity") or (max(running) if running and max(running) > 0 else 0.0)
     bw.capacity = float(cap or seen_top or DEFAULTS["capacity"])
-    ttft_pts: dict[int, list[float]] = defaultdict(list)
-    tpot_pts: dict[int, list[float]] = defaultdict(list)
-    for k, ft, tp in zip(ks, firsts, tpots, strict=True):
-        ttft_pts[k].append(ft)
-        if tp > 0:
-            tpot_pts[k].append(tp)
     med_ttft = statistics.median(firsts) if firsts else model.get("ttft_s", DEFAULTS["ttft_s"])
-    tp_all = [x for x in tpots if x > 0]
+    # (The times per token > 0: the levels' lists hold them all, each a
+    # positive float: their order changes no value of the median.)
+    tp_all = list(itertools.chain.from_iterable(tpot_pts.values()))
     med_tpot = statistics.median(tp_all) if tp_all else model.get("tpot_s", DEFAULTS["tpot_s"])
+    del tp_all
     mean_service = statistics.median(wholes) if wholes else med_ttft + tokens * med_tpot
     queue_slope = mean_service / bw.capacity
     bw.ttft = Curve(

@@ -154,3 +154,24 @@ def test_recorded_concurrency_is_the_step_function(
     for t in queries + starts + ends:
         i = bisect.bisect_right(n_t, t) - 1
         assert bw.recorded_n(t) == (n_v[i] if i >= 0 else 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(-5, 5), st.floats(0, 3)).map(lambda p: (p[0], p[0] + p[1])),
+        max_size=30,
+    ),
+    st.floats(-6, 9),
+)
+def test_an_answer_across_an_instant_is_the_plain_scan(
+    answers: list[tuple[float, float]], x: float
+) -> None:
+    """`_kills`' test of the answers (in C, no tuple per answer) is the
+    plain `any(a < x < b ...)`, edges included."""
+    from proxy.replay.world import _across
+
+    starts = [a for a, _ in answers]
+    ends = [b for _, b in answers]
+    for at in (x, *starts, *ends):
+        assert _across(starts, ends, at) == any(a < at < b for a, b in answers)
