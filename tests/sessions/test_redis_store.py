@@ -216,6 +216,17 @@ async def test_make_store_redis_uses_policy(shared_redis: aioredis.Redis, key_pr
         await store.close()
 
 
+def test_pooled_connections_have_no_socket_timeout() -> None:
+    """Every call is bounded by the store's own deadline (`_call`, the batch's
+    watchdog); redis-py 8 defaults socket_timeout to 5 s, which wraps each
+    reply read in a timeout scope and each write in a wait_for task."""
+    store = RedisSessionStore.from_url(SHARED_REDIS_URL, timeout_s=0.25)
+    kwargs = store._client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] is None
+    assert kwargs["socket_connect_timeout"] == 0.25
+    assert store._client.connection_pool.make_connection().socket_timeout is None
+
+
 # --------------------------------------------------------------------------- faults
 
 TIMEOUT_S = 0.25
