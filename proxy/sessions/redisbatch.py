@@ -60,6 +60,7 @@ class _Call:
     keys: Sequence[str]
     args: Sequence[Any]
     future: asyncio.Future[Any]
+    timer: asyncio.TimerHandle  # the future's deadline (`_expire`)
 
 
 class ScriptBatcher:
@@ -73,12 +74,14 @@ class ScriptBatcher:
 
     def call(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> asyncio.Future[Any]:
         """Queue one EVALSHA; the future gets its reply or exception, or
-        TimeoutError after `timeout_s` (a timer, cheaper than asyncio.timeout)."""
+        TimeoutError after `timeout_s` (a timer, cheaper than asyncio.timeout).
+        The batch cancels the timers of its calls when it ends (no done
+        callback per call: a closure and a loop callback each); a future
+        settled otherwise keeps its timer, which then finds it done."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         timer = loop.call_later(self._timeout_s, _expire, fut, self._timeout_s)
-        fut.add_done_callback(lambda _: timer.cancel())
-        self._queue.append(_Call(script, keys, args, fut))
+        self._queue.append(_Call(script, keys, args, fut, timer))
         if len(self._queue) == 1:
             # Sent after the next loop iteration, not this one: requests woken
             # by the same I/O poll queue their calls in between (measured:
@@ -110,10 +113,10 @@ class ScriptBatcher:
             exc = TimeoutError(f"Redis did not answer within {self._timeout_s}s")
         else:
             exc = task.exception()
-        if exc is not None:
-            for c in batch:
-                if not c.future.done():
-                    c.future.set_exception(exc)
+        for c in batch:
+            c.timer.cancel()
+            if exc is not None and not c.future.done():
+                c.future.set_exception(exc)
 
     async def _run(self, batch: list[_Call]) -> None:
         results = await self._pipeline(batch)

@@ -351,6 +351,42 @@ async def test_concurrent_calls_share_pipelines(
         await store.close()
 
 
+async def test_a_finished_batch_cancels_its_calls_deadlines(
+    shared_redis: aioredis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call's deadline timer goes when its batch ends (answered, or
+    failed): none is left to fire `timeout_s` later."""
+    store = _store(timeout_s=30.0)
+    seen: list = []  # type: ignore[type-arg]
+    real = store._scripts._pipeline
+
+    async def keeping(calls: list) -> list:  # type: ignore[type-arg]
+        seen.extend(calls)
+        return await real(calls)
+
+    monkeypatch.setattr(store._scripts, "_pipeline", keeping)
+    key = session_key(key_prefix, "timers", None)
+    try:
+        await asyncio.gather(store.append(key, [Turn("q", "a")]), store.load(key))
+        for _ in range(3):  # the batch task's done callback runs a loop iteration later
+            await asyncio.sleep(0)
+        assert len(seen) == 2
+        assert all(c.timer.cancelled() for c in seen)
+
+        async def failing(calls: list) -> list:  # type: ignore[type-arg]
+            seen[:] = calls
+            raise ConnectionError("down")
+
+        monkeypatch.setattr(store._scripts, "_pipeline", failing)
+        with pytest.raises(SessionStoreUnavailable):
+            await store.load(key)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(seen) == 1 and seen[0].timer.cancelled()
+    finally:
+        await store.close()
+
+
 async def test_scripts_flushed_from_redis_are_loaded_again(private_redis: PrivateRedis) -> None:
     """After a Redis restart (or SCRIPT FLUSH) the first calls get NOSCRIPT;
     they are retried after SCRIPT LOAD instead of failing. (A private server:
