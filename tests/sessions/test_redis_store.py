@@ -224,7 +224,8 @@ def test_pooled_connections_have_no_socket_timeout() -> None:
     kwargs = store._client.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] is None
     assert kwargs["socket_connect_timeout"] == 0.25
-    assert store._client.connection_pool.make_connection().socket_timeout is None
+    conn = store._client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    assert conn.socket_timeout is None
 
 
 # --------------------------------------------------------------------------- faults
