@@ -388,6 +388,39 @@ async def test_a_finished_batch_cancels_its_calls_deadlines(
         await store.close()
 
 
+async def test_batches_reuse_their_connections(
+    private_redis: PrivateRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One pool checkout for batches one after the other; a kept connection
+    the server closed reconnects; the store's close hands them back."""
+    store = _store(private_redis.url, timeout_s=2.0)
+    pool = store._client.connection_pool
+    checkouts = 0
+    real = pool.get_connection
+
+    async def counting() -> object:
+        nonlocal checkouts
+        checkouts += 1
+        return await real()  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(pool, "get_connection", counting)
+    key = session_key("t:", "reuse", None)
+    try:
+        assert await store.append(key, [Turn("q0", "a0")]) == 1  # and its SCRIPT LOAD
+        first = checkouts
+        for i in range(1, 4):
+            assert await store.append(key, [Turn(f"q{i}", f"a{i}")]) == i + 1
+        assert checkouts == first
+        private_redis.stop()
+        private_redis.start()  # same port, empty: the kept connection is closed
+        assert await store.load(key) == []
+        assert await store.append(key, [Turn("q", "a")]) == 1
+        assert [m["content"] for m in await store.load(key)] == ["q", "a"]
+    finally:
+        await store.close()
+    assert not pool._in_use_connections
+
+
 async def test_scripts_flushed_from_redis_are_loaded_again(private_redis: PrivateRedis) -> None:
     """After a Redis restart (or SCRIPT FLUSH) the first calls get NOSCRIPT;
     they are retried after SCRIPT LOAD instead of failing. (A private server:
