@@ -1,7 +1,7 @@
 """A/B of Brownout builds against the bare relay, in one run, interleaved.
 
     .venv/bin/python bench/ab.py TREE [TREE ...] [--rounds 4] [--duration 4]
-            [--conc 64] [--kind short] [--extra-path DIR]
+            [--conc 64] [--kind short] [--extra-path DIR] [--sessions]
 
 Each TREE is a checkout of this repository (e.g. a `git worktree` of an older
 commit); its `proxy.cli serve` runs from that checkout, on the same upstream
@@ -10,6 +10,9 @@ round runs wrk on the bare relay and then on each tree, in turn, so machine
 noise hits them alike. Per path: requests/s and CPU seconds per 1,000
 requests of the proxy process (the steadier figure on a shared machine), and
 each tree's share of the bare relay's requests/s in the same round.
+`--sessions`: Redis sessions on (a private `redis-server`), a fresh
+`X-Session-Id` per request (`bench/post.lua`'s BENCH_SESSIONS=1), as
+`bench/run.py`'s Redis variant; the bare relay has none.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, free_port, start_static_upstream, wait_port
+from instr import start_redis
 from run import Path_, Sample, brownout_policy, run_wrk, serve_cmd, stop
 
 
@@ -39,6 +43,11 @@ def main() -> int:
     ap.add_argument(
         "--extra-path", default="", help="appended to each tree's PYTHONPATH (an old tree's deps)"
     )
+    ap.add_argument(
+        "--sessions",
+        action="store_true",
+        help="Redis sessions on (a private redis-server), a fresh X-Session-Id per request",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="brownout-ab-"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -46,6 +55,14 @@ def main() -> int:
     procs.append(start_static_upstream(tmp, up_port))
     wait_port(up_port)
     upstream = f"http://127.0.0.1:{up_port}/{args.kind}"
+    redis_url = "redis://127.0.0.1:6379/0"
+    env: dict[str, str] = {}
+    if args.sessions:
+        redis_port = free_port()
+        procs.append(start_redis(tmp, redis_port))
+        wait_port(redis_port)
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        env = {"BENCH_SESSIONS": "1"}  # bench/post.lua: a fresh session per request
     samples: dict[str, list[Sample]] = {}
     try:
         bare = free_port()
@@ -57,7 +74,9 @@ def main() -> int:
         for i, tree in enumerate(args.trees):
             tree = tree.resolve()
             port = free_port()
-            pol = brownout_policy(tmp, upstream, f"ab{i}", sessions=False)
+            pol = brownout_policy(
+                tmp, upstream, f"ab{i}", sessions=args.sessions, redis_url=redis_url
+            )
             p = subprocess.Popen(
                 serve_cmd(pol, port),
                 stderr=subprocess.DEVNULL,
@@ -68,9 +87,8 @@ def main() -> int:
                 },
             )
             procs.append(p)
-            paths.append(
-                Path_(f"{i}:{tree.name}", f"http://127.0.0.1:{port}/v1/chat/completions", p.pid)
-            )
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            paths.append(Path_(f"{i}:{tree.name}", url, p.pid, env))
         for path in paths:
             wait_port(int(path.url.split(":")[2].split("/")[0]), 120)
         time.sleep(1)
@@ -91,7 +109,8 @@ def main() -> int:
         stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     bare_rps = [s.rps for s in samples[paths[0].name]]
-    print(f"\n{args.kind} streams, c={args.conc}, {args.rounds} rounds x {args.duration:g} s")
+    sess = ", Redis sessions" if args.sessions else ""
+    print(f"\n{args.kind} streams{sess}, c={args.conc}, {args.rounds} rounds x {args.duration:g} s")
     print(
         "| path | req/s (median) | share of bare (per round) | CPU s / 1k req (median, min–max) |"
     )

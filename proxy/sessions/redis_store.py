@@ -154,9 +154,13 @@ class RedisSessionStore:
             url,
             max_connections=max_connections,
             timeout=timeout_s,  # wait for a free connection
-            # No socket_timeout: every call is bounded by `_call` (a wait_for
-            # around each socket read would cost more than the command). The
-            # connect timeout stays: a handshake may absorb a cancellation.
+            # No socket_timeout: every call is bounded by `_call` or the
+            # batch's watchdog (`proxy.sessions.redisbatch`); a timeout scope
+            # around each reply read and a wait_for task around each write
+            # would cost more than the command. Explicitly None: redis-py 8
+            # defaults it to 5 s. The connect timeout stays: a handshake may
+            # absorb a cancellation.
+            socket_timeout=None,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,

@@ -13,6 +13,12 @@ abandon at once. Whatever the batch holds, it is one round trip: one write of
 all its EVALSHAs, one read of their replies. After a Redis restart the
 scripts are gone: calls that got NOSCRIPT are retried once after SCRIPT LOAD.
 
+Between batches a batcher keeps up to `IDLE_KEPT` connections of its own,
+checked before each use as the pool checks its own (`ensure_connection`:
+a closed one reconnects), rather than check each out of redis-py's
+BlockingConnectionPool and back in (its condition, lock, timeout scope and
+metric hooks cost more than a batch's own work).
+
 The EVALSHAs are packed by hiredis (`redis[hiredis]`), in C: redis-py's own
 packer runs every argument through its Python encoder (a third of the
 session path's CPU, measured). An argument hiredis can't pack (text with a
@@ -37,6 +43,9 @@ except ImportError:  # pragma: no cover - hiredis is a dependency; redis-py's pa
 
 Command = tuple[Any, ...]
 
+# Connections a batcher keeps between its batches (more go back to the pool).
+IDLE_KEPT = 4
+
 
 def pack(commands: list[Command], fallback: Callable[[list[Command]], list[bytes]]) -> bytes:
     """The commands in the Redis protocol, one buffer: hiredis' packer, or
@@ -60,6 +69,7 @@ class _Call:
     keys: Sequence[str]
     args: Sequence[Any]
     future: asyncio.Future[Any]
+    timer: asyncio.TimerHandle  # the future's deadline (`_expire`)
 
 
 class ScriptBatcher:
@@ -70,15 +80,23 @@ class ScriptBatcher:
         self._timeout_s = timeout_s
         self._queue: list[_Call] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        # Connections between batches, checked as the pool checks them
+        # (`ensure_connection`) but not handed back to it: redis-py's
+        # BlockingConnectionPool takes a condition, a lock, a timeout scope
+        # and four metric hooks per checkout and per release.
+        self._idle: list[Any] = []
+        self._closed = False
 
     def call(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> asyncio.Future[Any]:
         """Queue one EVALSHA; the future gets its reply or exception, or
-        TimeoutError after `timeout_s` (a timer, cheaper than asyncio.timeout)."""
+        TimeoutError after `timeout_s` (a timer, cheaper than asyncio.timeout).
+        The batch cancels the timers of its calls when it ends (no done
+        callback per call: a closure and a loop callback each); a future
+        settled otherwise keeps its timer, which then finds it done."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         timer = loop.call_later(self._timeout_s, _expire, fut, self._timeout_s)
-        fut.add_done_callback(lambda _: timer.cancel())
-        self._queue.append(_Call(script, keys, args, fut))
+        self._queue.append(_Call(script, keys, args, fut, timer))
         if len(self._queue) == 1:
             # Sent after the next loop iteration, not this one: requests woken
             # by the same I/O poll queue their calls in between (measured:
@@ -110,10 +128,10 @@ class ScriptBatcher:
             exc = TimeoutError(f"Redis did not answer within {self._timeout_s}s")
         else:
             exc = task.exception()
-        if exc is not None:
-            for c in batch:
-                if not c.future.done():
-                    c.future.set_exception(exc)
+        for c in batch:
+            c.timer.cancel()
+            if exc is not None and not c.future.done():
+                c.future.set_exception(exc)
 
     async def _run(self, batch: list[_Call]) -> None:
         results = await self._pipeline(batch)
@@ -140,7 +158,16 @@ class ScriptBatcher:
         The connection disconnects itself on any failure of its write or
         read (a cancellation included), so it is never returned out of step."""
         pool = self._client.connection_pool
-        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        idle = self._idle
+        if idle:
+            conn = idle.pop()
+            try:
+                await pool.ensure_connection(conn)  # reconnects a closed one
+            except BaseException:
+                await pool.release(conn)
+                raise
+        else:
+            conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
             sha = self._sha
             commands = [("EVALSHA", sha[c.script], len(c.keys), *c.keys, *c.args) for c in calls]
@@ -153,9 +180,16 @@ class ScriptBatcher:
                     replies.append(exc)
             return replies
         finally:
-            await pool.release(conn)
+            if len(idle) < IDLE_KEPT and not self._closed:
+                idle.append(conn)
+            else:
+                await pool.release(conn)
 
     async def close(self) -> None:
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await self._client.connection_pool.release(conn)

@@ -216,6 +216,18 @@ async def test_make_store_redis_uses_policy(shared_redis: aioredis.Redis, key_pr
         await store.close()
 
 
+def test_pooled_connections_have_no_socket_timeout() -> None:
+    """Every call is bounded by the store's own deadline (`_call`, the batch's
+    watchdog); redis-py 8 defaults socket_timeout to 5 s, which wraps each
+    reply read in a timeout scope and each write in a wait_for task."""
+    store = RedisSessionStore.from_url(SHARED_REDIS_URL, timeout_s=0.25)
+    kwargs = store._client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] is None
+    assert kwargs["socket_connect_timeout"] == 0.25
+    conn = store._client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    assert conn.socket_timeout is None
+
+
 # --------------------------------------------------------------------------- faults
 
 TIMEOUT_S = 0.25
@@ -338,6 +350,75 @@ async def test_concurrent_calls_share_pipelines(
         assert len(sent) <= 4, sent  # 30 appends, then 30 loads: a batch or two each
     finally:
         await store.close()
+
+
+async def test_a_finished_batch_cancels_its_calls_deadlines(
+    shared_redis: aioredis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call's deadline timer goes when its batch ends (answered, or
+    failed): none is left to fire `timeout_s` later."""
+    store = _store(timeout_s=30.0)
+    seen: list = []  # type: ignore[type-arg]
+    real = store._scripts._pipeline
+
+    async def keeping(calls: list) -> list:  # type: ignore[type-arg]
+        seen.extend(calls)
+        return await real(calls)
+
+    monkeypatch.setattr(store._scripts, "_pipeline", keeping)
+    key = session_key(key_prefix, "timers", None)
+    try:
+        await asyncio.gather(store.append(key, [Turn("q", "a")]), store.load(key))
+        for _ in range(3):  # the batch task's done callback runs a loop iteration later
+            await asyncio.sleep(0)
+        assert len(seen) == 2
+        assert all(c.timer.cancelled() for c in seen)
+
+        async def failing(calls: list) -> list:  # type: ignore[type-arg]
+            seen[:] = calls
+            raise ConnectionError("down")
+
+        monkeypatch.setattr(store._scripts, "_pipeline", failing)
+        with pytest.raises(SessionStoreUnavailable):
+            await store.load(key)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(seen) == 1 and seen[0].timer.cancelled()
+    finally:
+        await store.close()
+
+
+async def test_batches_reuse_their_connections(
+    private_redis: PrivateRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One pool checkout for batches one after the other; a kept connection
+    the server closed reconnects; the store's close hands them back."""
+    store = _store(private_redis.url, timeout_s=2.0)
+    pool = store._client.connection_pool
+    checkouts = 0
+    real = pool.get_connection
+
+    async def counting() -> object:
+        nonlocal checkouts
+        checkouts += 1
+        return await real()  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(pool, "get_connection", counting)
+    key = session_key("t:", "reuse", None)
+    try:
+        assert await store.append(key, [Turn("q0", "a0")]) == 1  # and its SCRIPT LOAD
+        first = checkouts
+        for i in range(1, 4):
+            assert await store.append(key, [Turn(f"q{i}", f"a{i}")]) == i + 1
+        assert checkouts == first
+        private_redis.stop()
+        private_redis.start()  # same port, empty: the kept connection is closed
+        assert await store.load(key) == []
+        assert await store.append(key, [Turn("q", "a")]) == 1
+        assert [m["content"] for m in await store.load(key)] == ["q", "a"]
+    finally:
+        await store.close()
+    assert not pool._in_use_connections
 
 
 async def test_scripts_flushed_from_redis_are_loaded_again(private_redis: PrivateRedis) -> None:
