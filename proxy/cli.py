@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="brownout", description=__doc__, epilog=EXIT_CODES, formatter_class=_TopHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} ({scanner})")
+    version = f"%(prog)s {__version__} ({scanner})"
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy.")
