@@ -43,6 +43,8 @@ from common import (
     wait_port,
 )
 
+from proxy.openai.chunkrun import NATIVE
+
 LITELLM_VENV = Path(
     os.environ.get("BROWNOUT_LITELLM_VENV", Path.home() / ".cache/brownout/litellm-venv")
 )
@@ -52,6 +54,7 @@ README = ROOT / "README.md"
 BEFORE_REV = "8c097b4"
 HEADLINE = ("<!-- bench-headline: written by a full bench/run.py -->", "<!-- /bench-headline -->")
 LITELLM_ENV = {"LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+PURE = {"BROWNOUT_PURE": "1"}  # the pure-Python run scanner (proxy/openai/chunkrun.py)
 
 
 def serve_cmd(policy: Path, port: int) -> list[str]:
@@ -270,14 +273,17 @@ def main() -> int:
             paths.append(
                 Path_("bare aiohttp", f"http://127.0.0.1:{bare}/v1/chat/completions", p.pid)
             )
-            variants: list[tuple[str, bool, bool, Path]] = [
-                ("brownout", False, True, ROOT),
-                ("brownout (guard off)", False, False, ROOT),
-                ("brownout+redis sessions", True, True, ROOT),
+            # (name, sessions, guard, tree, environment)
+            variants: list[tuple[str, bool, bool, Path, dict[str, str]]] = [
+                ("brownout", False, True, ROOT, {}),
+                ("brownout (guard off)", False, False, ROOT, {}),
+                ("brownout+redis sessions", True, True, ROOT, {}),
             ]
+            if NATIVE is not None:  # what the C run scanner buys, same run
+                variants.append(("brownout (pure-Python scanner)", False, True, ROOT, PURE))
             if before is not None:
-                variants.append((f"brownout @{args.before}", False, True, before))
-            for i, (name, sessions, guard, tree) in enumerate(variants):
+                variants.append((f"brownout @{args.before}", False, True, before, {}))
+            for i, (name, sessions, guard, tree, penv) in enumerate(variants):
                 port = free_port()
                 pol = brownout_policy(
                     tmp, f"http://127.0.0.1:{up_port}/{kind}", f"{kind}{i}", sessions, guard
@@ -286,7 +292,7 @@ def main() -> int:
                     serve_cmd(pol, port),
                     stderr=subprocess.DEVNULL,
                     cwd=tree,
-                    env={**os.environ, "PYTHONPATH": str(tree)},
+                    env={**os.environ, "PYTHONPATH": str(tree), **penv},
                 )  # fmt: skip
                 procs.append(p)
                 env = {"BENCH_SESSIONS": "1"} if sessions else {}
@@ -528,6 +534,15 @@ def write_report(
                 f"before ({before}, same run): {best(bb) / best(bare):.0%} of the bare relay"
                 + (f", added latency {was:.2f}×" if was is not None else "")
                 + f"; Brownout now / then, best req/s: {best(bo) / best(bb):.2f}×"
+            )
+        bp = res.get("brownout (pure-Python scanner)", {})
+        if bo and bp and bare:
+            was = added_ratio(res, "brownout (pure-Python scanner)")
+            ratios.append(
+                f"C run scanner: with the pure-Python one (same tree, `BROWNOUT_PURE=1`) "
+                f"{best(bp) / best(bare):.0%} of the bare relay"
+                + (f", added latency {was:.2f}×" if was is not None else "")
+                + f"; C / pure, best req/s: {best(bo) / best(bp):.2f}×"
             )
         go = res.get("brownout (guard off)", {})
         if bo and go:
