@@ -53,7 +53,9 @@ def test_version() -> None:
         timeout=60,
     )
     assert res.returncode == 0
-    assert res.stdout == f"brownout {__version__}\n"
+    # The version, and which run scanner runs (tests/unit/test_runscan.py).
+    assert res.stdout.startswith(f"brownout {__version__} (")
+    assert res.stdout.endswith(" run scanner)\n")
 
 
 def test_the_expected_subcommands_exist() -> None:
