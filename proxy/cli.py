@@ -175,16 +175,32 @@ class _TopHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """`brownout --help`: the docstring and the exit-code table as written."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from proxy import __version__
-    from proxy.openai.chunkrun import NATIVE
+class _Version(argparse.Action):
+    """`--version`: the version and which run scanner runs (C or pure Python),
+    imported only when asked (`brownout check` imports the policy package alone)."""
 
-    scanner = "C run scanner" if NATIVE is not None else "pure-Python run scanner"
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        from proxy import __version__
+        from proxy.openai.chunkrun import NATIVE
+
+        scanner = "C run scanner" if NATIVE is not None else "pure-Python run scanner"
+        print(f"{parser.prog} {__version__} ({scanner})")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="brownout", description=__doc__, epilog=EXIT_CODES, formatter_class=_TopHelpFormatter
     )
-    version = f"%(prog)s {__version__} ({scanner})"
-    parser.add_argument("--version", action="version", version=version)
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="show the version and the run scanner, and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy.")
