@@ -218,9 +218,15 @@ class ChunkRuns:
         return Run(i, j, len(literals), raw, literals.count(b""), self._chat)
 
     def _learn(self, event: bytes) -> bool:
+        # One data line: the scanners cut events at newlines, and the C one
+        # refuses (ValueError) an envelope with a newline anywhere but the
+        # suffix's last two bytes. SSE lets an upstream send one event as
+        # several `data:` lines (single_choice_events counts 2k newlines for
+        # k choices markers: two markers, two lines).
         ok = (
             event.startswith(b"data: {")
             and event.endswith(b"}\n\n")
+            and event.find(b"\n") == len(event) - 2
             and single_choice_events(event)
         )
         m = None

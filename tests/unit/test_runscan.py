@@ -154,3 +154,33 @@ def test_brownout_version_says_which_scanner_runs() -> None:
         if pure == "0" and NATIVE is None:
             said = b"(pure-Python run scanner)"
         assert said in out.stdout, out
+
+
+# Valid SSE events of several `data:` lines, two of them chunks of one choice:
+# they pass single_choice_events (two markers, four newlines), and the one
+# content literal gives an envelope with a newline in its prefix or suffix.
+OTHER_LINE = b'data: {"choices":[{"index":0,"x":1}]}\n'
+FINISH_LINE = b'data: {"finish_reason":null}\n\n'
+LEAD = b'"}}]}\n'  # the content chunk's end, its line's newline
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        OTHER_LINE + PREFIX + b"tok" + LEAD + FINISH_LINE,  # one in each
+        OTHER_LINE + b'data: {"z":1}\n' + PREFIX + b"tok" + SUFFIX,  # two in the prefix
+        PREFIX + b"tok" + LEAD + OTHER_LINE + FINISH_LINE,  # two in the suffix
+    ],
+    ids=["both", "prefix", "suffix"],
+)
+def test_an_envelope_of_several_data_lines_is_not_learnt(event: bytes) -> None:
+    """The upstream chooses the events: such an envelope was learnt, and the
+    C scanner then raised ValueError ("not a one-line envelope") out of
+    ChunkRuns.cut into the relay, where the pure cut answered None."""
+    region = event * 60
+    for scan in {NATIVE, None}:
+        runs = ChunkRuns(scan)
+        assert runs.cut(region) is None
+        assert runs._literal is None
+        runs.cut(teacher())  # the plain envelope is still learnt afterwards
+        assert runs.cut(teacher()) is not None
