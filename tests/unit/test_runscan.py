@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.openai.chunkrun import NATIVE, ChunkRuns, Run
+from proxy.openai.chunkrun import MAX_LEARN_FAILURES, NATIVE, ChunkRuns, Run, Scan
 
 built = pytest.mark.skipif(NATIVE is None, reason="the C scanner is not built")
 
@@ -184,3 +184,21 @@ def test_an_envelope_of_several_data_lines_is_not_learnt(event: bytes) -> None:
         assert runs._literal is None
         runs.cut(teacher())  # the plain envelope is still learnt afterwards
         assert runs.cut(teacher()) is not None
+
+
+@pytest.mark.parametrize("scan", sorted({NATIVE, None}, key=lambda s: s is None))
+def test_a_stream_read_one_event_at_a_time_learns_its_envelope(scan: Scan | None) -> None:
+    """The envelope is learnt from the previous region's last event: a region
+    of one event lost its first byte to `rfind`'s -1 (`ata: {`), failed to
+    teach, and after MAX_LEARN_FAILURES such reads (the role chunk, then
+    tokens one by one: the usual slow start) the stream never cut a run, not
+    even the later burst of a client catching up."""
+    runs = ChunkRuns(scan)
+    first = PREFIX.replace(b'"delta":{', b'"delta":{"role":"assistant",') + SUFFIX
+    assert runs.cut(first) is None
+    for i in range(MAX_LEARN_FAILURES + 2):
+        assert runs.cut(PREFIX + f"w{i} ".encode() + SUFFIX) is None  # small: no run
+    assert runs._failures == 1  # the role chunk only
+    burst = teacher()
+    run = runs.cut(burst)
+    assert run is not None and run.events == 40
