@@ -280,7 +280,7 @@ ENVELOPES = [
 
 
 @built
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     st.sampled_from(ENVELOPES),
     st.lists(WHOLE_LITERAL, max_size=12),
@@ -390,7 +390,7 @@ CUT_EVENT = st.one_of(
 
 
 @built
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     st.lists(CUT_EVENT, max_size=40),
     st.binary(max_size=12),
@@ -443,3 +443,46 @@ def test_the_scanner_keeps_its_contract_at_every_edge(envelope: tuple[bytes, byt
                 clipped = region[:end]
                 want = reference(clipped, start, end, prefix, suffix)
                 assert scanned(clipped, start, end, prefix, suffix) == want, (start, end)
+
+
+# Upstream events of any shape, for the envelope the scanners learn: content
+# chunks behind or before other `data:`/comment/field lines, pieces of them.
+LINES = [
+    b'data: {"choices":[{"index":0,"x":1}]}\n',
+    b'data: {"z":1}\n',
+    b": c\n",
+    b"event: e\n",
+    b"\n",
+]
+UPSTREAM_EVENT = st.one_of(
+    st.builds(
+        lambda before, lit, end: before + PREFIX + lit + SUFFIX[:-2] + end,
+        st.lists(st.sampled_from(LINES), max_size=2).map(b"".join),
+        st.sampled_from([b"a", b"", b"\\u00e9", b'"']),
+        st.sampled_from([b"\n\n", b"\n" + LINES[0] + b"\n", b"\n" + LINES[1] + b"\n", b"\n"]),
+    ),
+    st.lists(
+        st.sampled_from([PREFIX, SUFFIX, b"tok", b'"}', b"\n", *LINES, b"data: {", b"}\n\n"]),
+        max_size=8,
+    ).map(b"".join),
+    st.just(PREFIX + b"x" + SUFFIX),
+)
+
+
+@built
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(UPSTREAM_EVENT, max_size=12), st.integers(1, 40)),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_both_scanners_learn_and_cut_any_stream_alike(reads: list[tuple[list[bytes], int]]) -> None:
+    """Reads of any upstream events, repeated into bursts: the same envelope
+    learnt (or none), the same runs, and no exception from either."""
+    native, pure = ChunkRuns(NATIVE), ChunkRuns(None)
+    for events, times in reads:
+        region = b"".join(events) * times
+        assert fields(native.cut(region)) == fields(pure.cut(region))
+        assert (native._prefix, native._suffix) == (pure._prefix, pure._suffix)
