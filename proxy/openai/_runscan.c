@@ -110,8 +110,14 @@ scan(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         if (nl == NULL) {
             goto not_a_run;
         }
+        /* The suffix starts ls - 2 bytes before the newline: compared as
+         * offsets first, so that no pointer is formed before the literal
+         * (one before the region's buffer would be undefined behaviour). */
+        if (nl - a < ls - 2 || stop - nl < 2) {
+            goto not_a_run;
+        }
         const unsigned char *b = nl - (ls - 2); /* where the suffix starts */
-        if (b < a || stop - b < ls || memcmp(b, suf, (size_t)ls) != 0 || !whole_literal(a, b)) {
+        if (memcmp(b, suf, (size_t)ls) != 0 || !whole_literal(a, b)) {
             goto not_a_run;
         }
         Py_ssize_t m = b - a;

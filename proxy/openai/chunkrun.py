@@ -125,7 +125,11 @@ class ChunkRuns:
             if self._failures >= MAX_LEARN_FAILURES:
                 return None
             if last is not None:
-                event = last[last.rfind(b"\n\n", 0, len(last) - 2) + 2 :]
+                # Its last event; all of it when it holds one (rfind's -1
+                # would cut its first byte: a stream read one event at a time
+                # never learnt, and gave up after MAX_LEARN_FAILURES reads).
+                at = last.rfind(b"\n\n", 0, len(last) - 2)
+                event = last[at + 2 :] if at >= 0 else last
             elif big:  # from its middle: the first and last chunks are special
                 at = region.find(b"\n\n", len(region) // 2) + 2
                 event = region[at : region.find(b"\n\n", at) + 2]
@@ -218,9 +222,15 @@ class ChunkRuns:
         return Run(i, j, len(literals), raw, literals.count(b""), self._chat)
 
     def _learn(self, event: bytes) -> bool:
+        # One data line: the scanners cut events at newlines, and the C one
+        # refuses (ValueError) an envelope with a newline anywhere but the
+        # suffix's last two bytes. SSE lets an upstream send one event as
+        # several `data:` lines (single_choice_events counts 2k newlines for
+        # k choices markers: two markers, two lines).
         ok = (
             event.startswith(b"data: {")
             and event.endswith(b"}\n\n")
+            and event.find(b"\n") == len(event) - 2
             and single_choice_events(event)
         )
         m = None

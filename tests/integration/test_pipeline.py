@@ -501,6 +501,39 @@ async def test_an_answer_over_the_keep_bound_is_relayed_but_not_saved(
     assert await rt.store.load(key) == []
 
 
+async def test_events_of_several_data_lines_in_a_burst_are_relayed(
+    fake_upstream: FakeUpstream, start_proxy: ProxyFactory
+) -> None:
+    """SSE lets an event be several `data:` lines. A burst of such events, each
+    a content chunk between two other lines, taught the run scanner an
+    envelope with newlines: the C scanner raised ValueError and the client got
+    `internal_error` in place of the whole answer."""
+    other = b'data: {"choices": [{"index": 0, "x": 1}]}\n'
+    head = chunk("")[: chunk("").index(b'"content": "') + len(b'"content": "')]
+    tail = b'"}}]}\ndata: {"finish_reason":null}\n\n'
+    words = [f"w{i} " for i in range(80)]
+
+    async def two_lines(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE)
+        await resp.prepare(request)
+        for burst in (words[:40], words[40:]):
+            await resp.write(b"".join(other + head + w.encode() + tail for w in burst))
+            await asyncio.sleep(0.02)
+        await resp.write(DONE)
+        return resp
+
+    fake_upstream.handlers[CHAT] = two_lines
+    proxy = await start_proxy(policy(fake_upstream.url))
+    async with proxy.session.post(proxy.url + CHAT, json=CHAT_BODY) as r:
+        assert r.status == 200
+        raw = await asyncio.wait_for(r.read(), 5)
+    assert b"internal_error" not in raw
+    data = events_of(raw)
+    assert data[-1] == b"[DONE]"
+    texts = [json.loads(d.split(b"\n")[1])["choices"][0]["delta"]["content"] for d in data[:-1]]
+    assert "".join(texts) == "".join(words)
+
+
 # --------------------------------------------------------------------------- defect 9
 
 
