@@ -584,8 +584,12 @@ def _shared(
     early = False  # a record earlier than the first chunk's: all at once
     head = True  # up to the first chunk with a request: read by both, taken by 0
     i = 0
+
+    def want() -> bool:  # (the other's chunks are not split into lines)
+        return head or i % 2 == rank
+
     for f in files:
-        for lines in reader.raw_chunks(f):
+        for lines in reader.raw_chunks(f, want):
             if not head and i % 2 != rank:
                 i += 1
                 continue
