@@ -46,9 +46,10 @@ _CALLED = frozenset({"answered", "failed", "ended"})
 
 
 class ObservedWaits:
-    """The recorded queue waits and when a replay may use them."""
+    """The recorded queue waits and when a replay may use them (`policy`:
+    the replayed one; None: only the rebuild, kept with the trace)."""
 
-    def __init__(self, trace: Trace, policy: Policy) -> None:
+    def __init__(self, trace: Trace, policy: Policy | None) -> None:
         self.waits: list[tuple[float, float, bool]] = []  # (call, seconds, counts)
         # The proxy's own time before the backend call of a request that did
         # not queue (sessions, trimming's token count, a busy event loop), by
@@ -64,7 +65,7 @@ class ObservedWaits:
             recorded = policy_from_knobs(knobs)
         except PolicyError:  # a policy this version cannot parse: the waits are modelled
             return
-        same = recorded.ladder.throttle == policy.ladder.throttle
+        same = policy is not None and recorded.ladder.throttle == policy.ladder.throttle
         self._fair = recorded.ladder.throttle.fair_share
         top = recorded.ladder.throttle.max_inflight
         first = trace.samples[0] if trace.samples else None
@@ -77,7 +78,12 @@ class ObservedWaits:
         self._tier_t = [0.0, *(t for t, _frm, _to, _why in trace.tiers)]
         self._tier_v = [trace.initial_tier, *(to for _t, _frm, to, _why in trace.tiers)]
         self._queues = recorded.ladder.throttle.enabled
-        waits = self._rebuild(trace)
+        # The rebuild is a function of the trace (and the policy it
+        # recorded): kept with it, made once for every replay of it.
+        rebuilt = trace.rebuilt_waits
+        if rebuilt is None:
+            rebuilt = trace.rebuilt_waits = (self._rebuild(trace), self.pre)
+        waits, self.pre = rebuilt
         if same:
             self.waits, self.usable = waits, True
 

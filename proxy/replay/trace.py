@@ -154,6 +154,12 @@ class Trace:
     source: str = ""
     synthetic: bool = False
     _half_open: dict[Any, float] = field(default_factory=dict, repr=False)
+    # `ObservedWaits`' rebuild of the recorded waits (a function of the
+    # trace): (waits, the proxy's own time before the call by request id),
+    # made by the first replay, or sent by the process that made it.
+    rebuilt_waits: tuple[list[tuple[float, float, bool]], dict[int, float]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def duration(self) -> float:
