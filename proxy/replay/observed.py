@@ -33,7 +33,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import marshal
 import math
+from itertools import compress
 from typing import Any
 
 from proxy.control.pressure import Window
@@ -188,6 +190,32 @@ def _add(counts: dict[str, int], key: str, by: int) -> None:
         counts[key] = n
     else:
         counts.pop(key, None)
+
+
+def pack_waits(trace: Trace) -> bytes:
+    """`trace.rebuilt_waits` (made by an `ObservedWaits` of it) as bytes for
+    another process that holds the same trace: the waits, which requests
+    the proxy's own time is known for (a byte each) and those times in the
+    requests' order (the rebuild takes them in order). `unpack_waits` puts
+    them back."""
+    rebuilt = trace.rebuilt_waits
+    if rebuilt is None:
+        return marshal.dumps(None)
+    waits, pre = rebuilt
+    mask = bytes(map(pre.__contains__, map(id, trace.requests)))
+    return marshal.dumps((waits, mask, list(pre.values())), 2)
+
+
+def unpack_waits(blob: bytes, trace: Trace) -> None:
+    """`pack_waits`' rebuild, kept with this process's `trace` (the same)."""
+    got = marshal.loads(blob)
+    if got is None:
+        return
+    waits, mask, values = got
+    if mask.count(1) != len(values):
+        raise ValueError("packed waits of another trace")
+    pre = dict(zip(map(id, compress(trace.requests, mask)), values, strict=True))
+    trace.rebuilt_waits = (waits, pre)
 
 
 class RecordedBaseline(Window):
