@@ -76,6 +76,7 @@ import bisect
 import dataclasses
 import gc
 import itertools
+import marshal
 import math
 import pickle
 import random
@@ -509,7 +510,10 @@ def pack_world(world: World, trace: Trace) -> bytes:
             f.name: getattr(bw, f.name) for f in dataclasses.fields(bw) if f.name not in _LOCAL
         }
         rec = bw._recorded
-        out.append((name, state, bytes(map(rec.__contains__, ids)), list(rec.values())))
+        # (`marshal`'s version 2: no table of the tuples it wrote, as
+        # pickle keeps, for the values of a day of traffic)
+        values = marshal.dumps(list(rec.values()), 2)
+        out.append((name, state, bytes(map(rec.__contains__, ids)) if rec else b"", values))
     return pickle.dumps((out, world.notes), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -522,7 +526,8 @@ def unpack_world(blob: bytes, trace: Trace, *, freeze: bool = False) -> World:
         out, notes = pickle.loads(blob)
         reqs = trace.requests
         backends: dict[str, BackendWorld] = {}
-        for name, state, mask, values in out:
+        for name, state, mask, packed in out:
+            values = marshal.loads(packed)
             bw = BackendWorld(
                 probes=[p for p in trace.probes if p.backend == name],
                 engine=list(trace.engine) if name == "primary" else [],
