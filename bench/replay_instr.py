@@ -14,6 +14,11 @@ phase's count less the one before it, divided by the requests, is what the
 phase costs per request. Counts of executed instructions do not move with
 the other work on a shared machine (wall-clock does): run it under
 `flock /tmp/brownout-heavy.lock`.
+
+`--both`: instead of the phases, `run_replay` as a long trace runs it
+(its candidate in a forked process, the reading and the fit shared
+between the two): each process's instructions per request, the base
+(the imports and the policy) subtracted.
 """
 
 from __future__ import annotations
@@ -72,6 +77,56 @@ def phase(name: str, trace: str) -> None:
     os._exit(0)
 
 
+def both(trace: str) -> None:
+    """`run_replay` on `trace` with its two processes (the forked path
+    forced, as past PARALLEL_MIN requests): baseline here, candidate in a
+    forked process, sharing the reading and the fit (`--both`)."""
+    sys.path.insert(0, str(Path.cwd() / "bench"))
+    from replay_speed import CANDIDATE
+
+    from proxy.policy import parse_policy
+    from proxy.replay import main as replay_main
+
+    cand = parse_policy(CANDIDATE, env={})
+    if trace == "-":  # (the base: imports and the policy)
+        os._exit(0)
+    replay_main.PARALLEL_MIN = 10
+    replay_main.run_replay(cand, trace_path=trace, freeze=True)
+    os._exit(0)
+
+
+def count_both(tree: Path, trace: Path, tmp: Path) -> list[int]:
+    """Instructions of the base, then of each process of `--both` (the
+    parent first; a forked process's count includes what its parent ran
+    before the fork: the base)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out: list[int] = []
+    for arg in ("-", str(trace)):
+        for f in tmp.glob("both.*"):
+            f.unlink()
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={tmp}/both.%p",
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--both-child",
+                arg,
+            ],
+            check=True,
+            cwd=tree,
+            env=env,
+            capture_output=True,
+        )
+        files = sorted(tmp.glob("both.*"), key=lambda f: int(f.name.split(".")[1]))
+        for f in files:
+            m = re.search(rb"^summary:\s*(\d+)", f.read_bytes(), re.M)
+            assert m is not None, f
+            out.append(int(m.group(1)))
+    return out
+
+
 def count(tree: Path, name: str, trace: Path, out: Path) -> int:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run(
@@ -104,11 +159,20 @@ def main() -> int:
     ap.add_argument(
         "--upto", choices=PHASES[1:], default="report", help="the last phase to measure"
     )
+    ap.add_argument(
+        "--both",
+        action="store_true",
+        help="instead: both processes of run_replay (the forked path), per process",
+    )
+    ap.add_argument("--both-child", help=argparse.SUPPRESS)
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--trace", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
         phase(args.phase, args.trace)
+        return 0
+    if args.both_child:
+        both(args.both_child)
         return 0
     sys.path.insert(0, str(ROOT / "bench"))
     from replay_speed import write_trace
@@ -118,6 +182,18 @@ def main() -> int:
     n = write_trace(trace, args.hours, 50.0)
     for tree in args.tree or [ROOT]:
         tree = tree.resolve()
+        if args.both:
+            base, *procs = count_both(tree, trace, tmp)
+            print(
+                f"{tree}: {n:,} requests, both processes; instructions per request "
+                "(the base subtracted): "
+                + ", ".join(
+                    f"{who} {(c - base) / n / 1000:.1f} k"
+                    for who, c in zip(("parent", "candidate's"), procs, strict=False)
+                )
+                + f" (base {base / 1e6:.0f} M)"
+            )
+            continue
         phases = PHASES[: PHASES.index(args.upto) + 1]
         counts = {}
         for name in phases:

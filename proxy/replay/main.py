@@ -26,10 +26,11 @@ from typing import Any
 from proxy.policy import Policy, PolicyError, load_policy
 from proxy.replay import report as rep
 from proxy.replay.names import FAIL_ON, SCENARIOS
+from proxy.replay.observed import ObservedWaits, pack_waits, unpack_waits
 from proxy.replay.scenarios import scenario_policy, scenario_trace
 from proxy.replay.sim import Run, replay
 from proxy.replay.trace import Peer, Trace, policy_from_knobs, with_backends
-from proxy.replay.world import World, build_world
+from proxy.replay.world import World, build_world, pack_world, unpack_world
 from proxy.telemetry.recorder import fingerprint
 from proxy.telemetry.recording import segments
 
@@ -104,32 +105,56 @@ def _run(
 ) -> Outcome:
     future = None
     peer: Peer | None = None
+    fit: Peer | None = None
     if early is not None:
         assert trace_path is not None
-        down, up = os.pipe(), os.pipe()  # (to the candidate's process, from it)
-        peer = Peer(0, up[0], down[1])
+        # (to the candidate's process, from it: the reading's, the fit's)
+        down, up, down2, up2 = os.pipe(), os.pipe(), os.pipe(), os.pipe()
+        peer, fit = Peer(0, up[0], down[1]), Peer(0, up2[0], down2[1])
+        theirs = (down[0], up[1], down2[0], up2[1])
         try:
+            ours = peer.fds + fit.fds
             future = early.submit(
-                _early_job, candidate, trace_path, baseline, seed, freeze, down[0], up[1], peer.fds
+                _early_job, candidate, trace_path, baseline, seed, freeze, theirs, ours
             )
         except BaseException:
             peer.close()
+            fit.close()
             raise
         finally:
-            os.close(down[0])  # (the forked process's ends: its own now)
-            os.close(up[1])
+            for fd in theirs:  # (the forked process's ends: its own now)
+                os.close(fd)
     notes: list[str] = []
     try:
-        if scenario is not None:
-            trace = scenario_trace(scenario, seed)
-            recorded: Policy | None = None
-        else:
-            assert trace_path is not None
-            trace = _load(trace_path, freeze, peer)
+        try:
+            if scenario is not None:
+                trace = scenario_trace(scenario, seed)
+                recorded: Policy | None = None
+            else:
+                assert trace_path is not None
+                trace = _load(trace_path, freeze, peer)
+        finally:
+            if peer is not None:
+                peer.close()
+        baseline, candidate, recorded, is_recorded = _policies(
+            trace, trace_path, candidate, baseline
+        )
+        pb = baseline.backends.primary
+        world: World | None = None
+        figures: dict[str, Any] | None = None
+        if fit is not None:
+            # Each a function of the trace, made once: the recorded waits'
+            # rebuild and the recording's own figures here, the backend
+            # model in the candidate's process (the longer: this side waits
+            # for it); the rebuild and the model exchanged.
+            ObservedWaits(trace, None)
+            figures = rep.observed(trace) if not trace.synthetic else None
+            got = fit.exchange(pack_waits(trace))
+            if got is not None:
+                world = unpack_world(got, trace, freeze=freeze)
     finally:
-        if peer is not None:
-            peer.close()
-    baseline, candidate, recorded, is_recorded = _policies(trace, trace_path, candidate, baseline)
+        if fit is not None:
+            fit.close()
     if trace_path is not None and recorded is None:
         notes.append("the trace carries no policy record: no fidelity can be measured")
     if len(trace.policies) > 1:
@@ -138,11 +163,12 @@ def _run(
             "trace: a replay of the recorded policy takes those that change only the "
             "backends' settings; a ladder's change is not replayed"
         )
-    pb = baseline.backends.primary
     if future is not None:
-        world = build_world(trace, idle_s=pb.timeouts.idle_s, freeze=freeze)
+        if world is None:  # (the other process failed: made here)
+            world = build_world(trace, idle_s=pb.timeouts.idle_s, freeze=freeze)
         base_run = replay(baseline, trace, world, seed)
         side = _unpack(future.result())
+        side.recorded = figures
         assert early is not None
         early.shutdown()  # (its process reaped: its CPU time counted)
     else:
@@ -274,25 +300,35 @@ def _early_job(
     baseline: Policy | None,
     seed: int,
     freeze: bool,
-    rfd: int,
-    wfd: int,
-    parents: tuple[int, int],
+    fds: tuple[int, int, int, int],
+    parents: tuple[int, int, int, int],
 ) -> _Packed:
     """The candidate's side in a process forked before the trace is read:
     it reads the trace together with the parent (each half of it, `Peer`:
-    `rfd`, `wfd` its pipes' ends, `parents` the parent's, closed here),
-    fits the backend model and replays on its own core (the same as the
-    parent's: each a function of the trace and the policies). None of the
-    parent's pages copied on write."""
+    `fds` its pipes' ends, the reading's then the fit's; `parents` the
+    parent's, closed here), fits the backend model, sends it to the parent
+    for the rebuild of the recorded waits (`ObservedWaits`: each made once,
+    each a function of the trace) and replays on its own core. The
+    recording's own figures are the parent's. None of the parent's pages
+    copied on write."""
     for fd in parents:
         os.close(fd)
-    trace = _load(trace_path, freeze, Peer(1, rfd, wfd))
-    baseline, candidate, _, _ = _policies(trace, trace_path, candidate, baseline)
-    world = build_world(trace, idle_s=baseline.backends.primary.timeouts.idle_s, freeze=freeze)
+    rfd, wfd, rfd2, wfd2 = fds
+    fit = Peer(1, rfd2, wfd2)
+    try:
+        trace = _load(trace_path, freeze, Peer(1, rfd, wfd))
+        baseline, candidate, _, _ = _policies(trace, trace_path, candidate, baseline)
+        idle_s = baseline.backends.primary.timeouts.idle_s
+        world = build_world(trace, idle_s=idle_s, freeze=freeze)
+        got = fit.exchange(pack_world(world, trace))
+        if got is not None:
+            unpack_waits(got, trace)
+    finally:
+        fit.close()
     # Left to the process's end (which frees nothing): freed on return,
     # millions of objects would cost their time before the answer is sent.
     _KEPT.append((trace, world))
-    return _pack(_candidate(candidate, trace, world, seed, not trace.synthetic))
+    return _pack(_candidate(candidate, trace, world, seed, False))
 
 
 _KEPT: list[tuple[Trace, World]] = []  # (in the forked process only)

@@ -33,7 +33,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import marshal
 import math
+from itertools import compress
 from typing import Any
 
 from proxy.control.pressure import Window
@@ -46,9 +48,10 @@ _CALLED = frozenset({"answered", "failed", "ended"})
 
 
 class ObservedWaits:
-    """The recorded queue waits and when a replay may use them."""
+    """The recorded queue waits and when a replay may use them (`policy`:
+    the replayed one; None: only the rebuild, kept with the trace)."""
 
-    def __init__(self, trace: Trace, policy: Policy) -> None:
+    def __init__(self, trace: Trace, policy: Policy | None) -> None:
         self.waits: list[tuple[float, float, bool]] = []  # (call, seconds, counts)
         # The proxy's own time before the backend call of a request that did
         # not queue (sessions, trimming's token count, a busy event loop), by
@@ -64,7 +67,7 @@ class ObservedWaits:
             recorded = policy_from_knobs(knobs)
         except PolicyError:  # a policy this version cannot parse: the waits are modelled
             return
-        same = recorded.ladder.throttle == policy.ladder.throttle
+        same = policy is not None and recorded.ladder.throttle == policy.ladder.throttle
         self._fair = recorded.ladder.throttle.fair_share
         top = recorded.ladder.throttle.max_inflight
         first = trace.samples[0] if trace.samples else None
@@ -77,7 +80,12 @@ class ObservedWaits:
         self._tier_t = [0.0, *(t for t, _frm, _to, _why in trace.tiers)]
         self._tier_v = [trace.initial_tier, *(to for _t, _frm, to, _why in trace.tiers)]
         self._queues = recorded.ladder.throttle.enabled
-        waits = self._rebuild(trace)
+        # The rebuild is a function of the trace (and the policy it
+        # recorded): kept with it, made once for every replay of it.
+        rebuilt = trace.rebuilt_waits
+        if rebuilt is None:
+            rebuilt = trace.rebuilt_waits = (self._rebuild(trace), self.pre)
+        waits, self.pre = rebuilt
         if same:
             self.waits, self.usable = waits, True
 
@@ -182,6 +190,32 @@ def _add(counts: dict[str, int], key: str, by: int) -> None:
         counts[key] = n
     else:
         counts.pop(key, None)
+
+
+def pack_waits(trace: Trace) -> bytes:
+    """`trace.rebuilt_waits` (made by an `ObservedWaits` of it) as bytes for
+    another process that holds the same trace: the waits, which requests
+    the proxy's own time is known for (a byte each) and those times in the
+    requests' order (the rebuild takes them in order). `unpack_waits` puts
+    them back."""
+    rebuilt = trace.rebuilt_waits
+    if rebuilt is None:
+        return marshal.dumps(None)
+    waits, pre = rebuilt
+    mask = bytes(map(pre.__contains__, map(id, trace.requests)))
+    return marshal.dumps((waits, mask, list(pre.values())), 2)
+
+
+def unpack_waits(blob: bytes, trace: Trace) -> None:
+    """`pack_waits`' rebuild, kept with this process's `trace` (the same)."""
+    got = marshal.loads(blob)
+    if got is None:
+        return
+    waits, mask, values = got
+    if mask.count(1) != len(values):
+        raise ValueError("packed waits of another trace")
+    pre = dict(zip(map(id, compress(trace.requests, mask)), values, strict=True))
+    trace.rebuilt_waits = (waits, pre)
 
 
 class RecordedBaseline(Window):

@@ -154,6 +154,12 @@ class Trace:
     source: str = ""
     synthetic: bool = False
     _half_open: dict[Any, float] = field(default_factory=dict, repr=False)
+    # `ObservedWaits`' rebuild of the recorded waits (a function of the
+    # trace): (waits, the proxy's own time before the call by request id),
+    # made by the first replay, or sent by the process that made it.
+    rebuilt_waits: tuple[list[tuple[float, float, bool]], dict[int, float]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def duration(self) -> float:
@@ -584,8 +590,12 @@ def _shared(
     early = False  # a record earlier than the first chunk's: all at once
     head = True  # up to the first chunk with a request: read by both, taken by 0
     i = 0
+
+    def want() -> bool:  # (the other's chunks are not split into lines)
+        return head or i % 2 == rank
+
     for f in files:
-        for lines in reader.raw_chunks(f):
+        for lines in reader.raw_chunks(f, want):
             if not head and i % 2 != rank:
                 i += 1
                 continue

@@ -76,13 +76,15 @@ import bisect
 import dataclasses
 import gc
 import itertools
+import marshal
 import math
+import pickle
 import random
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 from operator import and_, itemgetter, sub
 from typing import NamedTuple
 
@@ -487,6 +489,61 @@ class BackendWorld:
 class World:
     backends: dict[str, BackendWorld]
     notes: list[str] = field(default_factory=list)
+
+
+# What `pack_world` leaves out: the trace's own (the probes, the scrapes)
+# and what `BackendWorld.index` makes of them; `_recorded`, keyed by the
+# requests' ids, goes as columns.
+_LOCAL = frozenset({"probes", "engine", "_recorded", "_starts", "_probe_t", "_engine_t"})
+
+
+def pack_world(world: World, trace: Trace) -> bytes:
+    """`world` (`build_world(trace)`'s) as bytes for another process that
+    holds the same trace (the same requests in the same order): its fitted
+    figures as they are, `_recorded` as which requests it holds (a byte
+    each) and its values in the requests' order (its insertion order: the
+    fit takes the requests in order). `unpack_world` gives it back."""
+    ids = list(map(id, trace.requests))
+    out = []
+    for name, bw in world.backends.items():
+        state = {
+            f.name: getattr(bw, f.name) for f in dataclasses.fields(bw) if f.name not in _LOCAL
+        }
+        rec = bw._recorded
+        # (`marshal`'s version 2: no table of the tuples it wrote, as
+        # pickle keeps, for the values of a day of traffic)
+        values = marshal.dumps(list(rec.values()), 2)
+        out.append((name, state, bytes(map(rec.__contains__, ids)) if rec else b"", values))
+    return pickle.dumps((out, world.notes), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_world(blob: bytes, trace: Trace, *, freeze: bool = False) -> World:
+    """`pack_world`'s world, in the process that got it (`trace`: this
+    process's, the same; `freeze` as in `build_world`)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        out, notes = pickle.loads(blob)
+        reqs = trace.requests
+        backends: dict[str, BackendWorld] = {}
+        for name, state, mask, packed in out:
+            values = marshal.loads(packed)
+            bw = BackendWorld(
+                probes=[p for p in trace.probes if p.backend == name],
+                engine=list(trace.engine) if name == "primary" else [],
+                **state,
+            )
+            if mask.count(1) != len(values):
+                raise ValueError("a packed world of another trace")
+            bw._recorded = dict(zip(map(id, compress(reqs, mask)), values, strict=True))
+            backends[name] = bw
+        world = World(backends, notes)
+    finally:
+        if enabled:
+            gc.enable()
+    if freeze:
+        gc.freeze()
+    return world
 
 
 # --------------------------------------------------------------------------- building

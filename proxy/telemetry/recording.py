@@ -46,7 +46,7 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,12 +101,18 @@ class Reader:
         for lines in self.raw_chunks(path):
             yield from lines
 
-    def raw_chunks(self, path: Path) -> Iterator[list[bytes]]:
+    def raw_chunks(
+        self, path: Path, want: Callable[[], bool] | None = None
+    ) -> Iterator[list[bytes]]:
         """`raw_lines`, a list of them at a time (a chunk of the file): a
-        reader of millions of lines need not resume a generator for each."""
+        reader of millions of lines need not resume a generator for each.
+        `want`: asked before each chunk is split into lines; a chunk it
+        does not want is yielded as no lines (`[]`) without the split (the
+        same chunks, one for one: a reader that takes every other one)."""
         if path.suffix != ".gz":
             with path.open("rb") as f:
-                yield [ln for ln in f.read().splitlines() if ln]
+                data = f.read()
+            yield [ln for ln in data.splitlines() if ln] if want is None or want() else []
             return
         try:
             f = path.open("rb")
@@ -127,9 +133,14 @@ class Reader:
                         return
                     fed = True
                     if out:
-                        lines = (tail + out).split(b"\n")
-                        tail = lines.pop()
-                        yield lines if all(lines) else [ln for ln in lines if ln]
+                        if want is None or want():
+                            lines = (tail + out).split(b"\n")
+                            tail = lines.pop()
+                            yield lines if all(lines) else [ln for ln in lines if ln]
+                        else:  # (its lines not wanted: only the last one's start)
+                            cut = out.rfind(b"\n")
+                            tail = tail + out if cut < 0 else out[cut + 1 :]
+                            yield []
                     if d.eof:
                         data = d.unused_data
                         d = zlib.decompressobj(31)

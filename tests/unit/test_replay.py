@@ -318,3 +318,58 @@ def test_a_long_trace_file_forks_its_candidate_before_reading(
     early = run_replay(cand, trace_path=str(path)).report
     for key in ("baseline", "candidate", "recorded", "fidelity", "model"):
         assert early[key] == one_by_one[key]
+
+
+def test_a_long_trace_fits_its_model_and_rebuilds_its_waits_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two processes of a long trace file: the backend model fitted in
+    the candidate's, the recorded waits rebuilt in the parent's, each sent
+    to the other (not made twice); the figures are the one-process
+    replay's."""
+    import os
+
+    from proxy.replay import main as replay_main
+    from proxy.replay import world as world_mod
+    from proxy.replay.observed import ObservedWaits
+
+    path = Path(__file__).parents[1] / "fixtures" / "recordings" / "recording-drill-6.jsonl.gz"
+    cand = parse_policy(NO_RESCUE, env={})
+    one_by_one = run_replay(cand, trace_path=str(path)).report
+    log = tmp_path / "made"  # (each process appends: what it made, its pid)
+    fit, rebuild = world_mod.build_world, ObservedWaits._rebuild
+
+    def fit_spy(*args: object, **kw: object) -> object:
+        with log.open("a") as f:
+            f.write(f"fit {os.getpid()}\n")
+        return fit(*args, **kw)  # type: ignore[arg-type]
+
+    def rebuild_spy(self: ObservedWaits, trace: Trace) -> object:
+        with log.open("a") as f:
+            f.write(f"waits {os.getpid()}\n")
+        return rebuild(self, trace)
+
+    monkeypatch.setattr(replay_main, "build_world", fit_spy)
+    monkeypatch.setattr(ObservedWaits, "_rebuild", rebuild_spy)
+    monkeypatch.setattr(replay_main, "PARALLEL_MIN", 10)
+    early = run_replay(cand, trace_path=str(path)).report
+    made = sorted(log.read_text().split("\n")[:-1])
+    assert [m.split()[0] for m in made] == ["fit", "waits"]
+    assert made[0].split()[1] != str(os.getpid()) and made[1].split()[1] == str(os.getpid())
+    for key in ("baseline", "candidate", "recorded", "fidelity", "model", "notes"):
+        assert early[key] == one_by_one[key]
+    # What went over the pipe is the world made here.
+    tr = Trace.load(path)
+    world = build_world(tr)
+    back = world_mod.unpack_world(world_mod.pack_world(world, tr), tr)
+    import re
+
+    def shown(w: object) -> str:  # (the curves' reprs: their addresses)
+        return re.sub(r" at 0x[0-9a-f]+", "", repr(w))
+
+    assert shown(back) == shown(world) and back.notes == world.notes
+    for name, bw in world.backends.items():
+        got = back.backends[name]
+        assert got._recorded == bw._recorded and got._res_ttft == bw._res_ttft
+        assert got._n_starts == bw._n_starts and got._starts == bw._starts
+        assert got.ttft.values == bw.ttft.values and got.tpot.slope == bw.tpot.slope

@@ -7,6 +7,7 @@ not records, times that tie, segments out of order."""
 
 from __future__ import annotations
 
+import functools
 import zlib
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,34 @@ def test_a_trace_in_time_order_is_converted_chunk_by_chunk(
     chunked.skipped += reader.skipped
     assert repr(chunked) == repr(whole)
     assert chunked.skipped == 2 and len(chunked.requests) == 200
+
+
+def _wanted(taken: list[list[bytes]], rank: int) -> bool:
+    return len(taken) % 2 == rank
+
+
+def test_chunks_not_wanted_are_not_split_and_the_rest_are_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`raw_chunks(path, want)`: the same chunks, one for one; those `want`
+    turns down come as no lines, the others as without `want` (a line
+    across a chunk turned down is whole in the next one)."""
+    lines = [_req(0.1 * i) for i in range(200)]
+    lines.insert(77, b"")
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(_member(lines[:100]) + _member(lines[100:]))
+    plain = tmp_path / "t.jsonl"
+    plain.write_bytes(b"\n".join(lines) + b"\n")
+    monkeypatch.setattr(recording, "READ_CHUNK", 40)
+    for path in (gz, plain):
+        every = list(Reader().raw_chunks(path))
+        for rank in (0, 1):
+            some: list[list[bytes]] = []
+            want = functools.partial(_wanted, some, rank)
+            for chunk in Reader().raw_chunks(path, want):
+                some.append(chunk)
+            assert len(some) == len(every)
+            assert some == [c if k % 2 == rank else [] for k, c in enumerate(every)]
 
 
 def _shared_load(path: Path) -> tuple[Trace, Trace, list[bool]]:

@@ -4,7 +4,10 @@ the one the recorded proxy measured wherever the replay stands where it stood.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import pytest
 
 from proxy.policy import Policy, parse_policy
 from proxy.replay.observed import ObservedWaits
@@ -157,3 +160,25 @@ def test_a_wait_behind_a_client_over_its_share_does_not_count() -> None:
         )
     )
     assert [c for _, _, c in ObservedWaits(tr, pol).waits] == [False]
+
+
+def test_the_waits_are_rebuilt_once_per_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild is a function of the trace: a second replay of it (the
+    candidate's) takes the first one's, the same waits and times."""
+    pol = policy()
+    tr = Trace.from_records(
+        records(pol, req(0.0, 0.3, 1.0), req(0.0, 0.3, 1.2), req(0.1, 1.0, 1.5))
+    )
+    first = ObservedWaits(tr, pol)
+    assert tr.rebuilt_waits is not None
+    calls: list[object] = []
+
+    def rebuild(self: ObservedWaits, t: Trace) -> list[tuple[float, float, bool]]:
+        calls.append(t)
+        return []
+
+    monkeypatch.setattr(ObservedWaits, "_rebuild", rebuild)
+    again = ObservedWaits(tr, None)
+    assert calls == [] and again.pre is first.pre and again.pre
+    assert ObservedWaits(tr, pol).waits == first.waits != []
+    assert dataclasses.replace(tr).rebuilt_waits is None  # (another trace: its own)
