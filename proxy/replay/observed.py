@@ -43,6 +43,8 @@ from proxy.policy import Policy, PolicyError
 from proxy.replay.trace import Trace, policy_from_knobs
 
 PRE_MAX_S = 5.0  # (as `Request.overhead`)
+HANDOVER_S = 0.003  # (as `world.HANDOVER_S`)
+WAKE_SCAN = 64  # releases looked back at for the one that woke a waiter
 # Attempts that made a backend call (the others never left admission).
 _CALLED = frozenset({"answered", "failed", "ended"})
 
@@ -58,6 +60,9 @@ class ObservedWaits:
         # the request's id: in its recorded TTFT, replayed as recorded (a
         # queued request's is not told apart from its wait: none).
         self.pre: dict[int, float] = {}
+        # A queued request's own time from the slot's handover to its backend
+        # call (`_woken`), by the request's id: its slot is held meanwhile.
+        self.gap: dict[int, float] = {}
         self.usable = False
         self._fair = False
         knobs = trace.recorded_policy
@@ -113,6 +118,16 @@ class ObservedWaits:
         limit_t, limit_v, limit0 = self._limit_t, self._limit_v, self._limit0
         right = bisect.bisect_right
         pre, queues = self.pre, self._queues
+        calls = [
+            x
+            for r in trace.requests
+            for x in r.attempts
+            if x.backend == "primary" and x.kind in _CALLED
+        ]
+        self._starts = sorted(x.start for x in calls)
+        self._ends = sorted(x.end for x in calls)
+        del calls
+        self._stalls = trace.stalls()
         # `limit(t)` of the last instant looked up, and from and until when
         # it holds (the limits' instants sorted; the requests come in time
         # order: looked up again only past the next change).
@@ -161,6 +176,7 @@ class ObservedWaits:
             counts = self._counts(t, client, holds, waiting)
             _add(waiting, client, 1)
             if called:
+                self.gap[id(q)] = min(PRE_MAX_S, a.start - self._woken(t, a.start))
                 push(admitted, (a.start, a.end, client))
                 queue_until = max(queue_until, a.start)
                 out.append((a.start, max(0.0, a.start - t), counts))
@@ -169,6 +185,38 @@ class ObservedWaits:
                 queue_until = max(queue_until, t + q.duration)
         out.sort()
         return out
+
+    def _woken(self, t: float, call: float) -> float:
+        """When a request that queued at `t` and called the backend at `call`
+        got its slot: the last release before the call that freed one (the
+        backend had the limit in flight just before it) or the last raise of
+        the limit, whichever came later — else its arrival; the recorded
+        proxy's stalls in between do not count (nothing moved). From then to
+        the call is the proxy's own time (its payload: the session, trimming's
+        token count, a busy event loop), the slot held (chaos drill 6: 0.9 to
+        1.4 s in the second burst, the engine half idle)."""
+        ends, starts, right = self._ends, self._starts, bisect.bisect_right
+        woken = t
+        i = right(self._limit_t, call) - 1
+        while i >= 0 and self._limit_t[i] > t:
+            if self._limit_v[i] > (self._limit_v[i - 1] if i > 0 else self._limit0):
+                woken = self._limit_t[i]
+                break
+            i -= 1
+        j = right(ends, call + HANDOVER_S) - 1
+        for _ in range(WAKE_SCAN):
+            if j < 0 or ends[j] <= woken:
+                break
+            e = ends[j]
+            if right(starts, e - 1e-9) - right(ends, e - 1e-9) >= self.limit(e - 1e-9):
+                woken = e
+                break
+            j -= 1
+        for a, b in self._stalls:  # (a few)
+            lo, hi = max(a, woken), min(b, call)
+            if hi > lo:
+                woken += hi - lo
+        return min(woken, call)
 
     def _counts(
         self, t: float, client: str, holds: dict[str, int], waiting: dict[str, int]

@@ -159,6 +159,8 @@ class Flight:
         "idx",
         "order",
         "permit",
+        "pre_paid",
+        "prepared",
         "q",
         "retries",
         "sent_at",
@@ -177,6 +179,8 @@ class Flight:
         self.done = False
         self.failed = False  # some attempt failed before the first byte (the last result)
         self.cut = False
+        self.prepared = False  # its own time before the first call is spent (or under way)
+        self.pre_paid = False  # ... and that was its recorded `pre` (not again in its TTFT)
         self.sent_at = 0.0
         self.started = 0.0  # the current candidate's first admission
         self.deadline = 0.0  # the current attempt's first-byte deadline
@@ -228,6 +232,7 @@ class Sim:
         self.admission = Admission(lad.throttle, self.clock, self.on_wait)
         self._observed = ObservedWaits(trace, policy)
         self._pre = self._observed.pre  # the proxy's own time before the call
+        self._gap = self._observed.gap  # ... after a queued request's slot came
         self.backends: dict[str, Backend] = {}
         for name in ("primary", "fallback"):
             bp = getattr(policy.backends, name)
@@ -658,9 +663,27 @@ class Sim:
                     self.shed(f, r.reason)
                     return
                 f.slot = True
+            if not f.prepared:
+                # The proxy's own time before its first backend call (the
+                # request's payload), its slot held: as recorded.
+                f.prepared = True
+                pre = self._pre.get(id(f.q), 0.0) if self._pre else 0.0
+                if pre > 0.0:
+                    f.pre_paid = True
+                    self.at(self.now + pre, self._send_prepared, f, b)
+                    return
             self.send(f, b)
             return
         self.unanswered(f)
+
+    def _send_prepared(self, f: Flight, b: Backend) -> None:
+        if f.done:  # the client left meanwhile: the slot and the permit go back
+            if f.slot:
+                f.slot = False
+                self.admission.release(f.q.client)
+            b.breaker.release_trial(f.permit)
+            return
+        self.send(f, b)
 
     def admitted(self, f: Flight) -> None:
         w = f.waiter
@@ -672,6 +695,13 @@ class Sim:
         if w is not None:
             self.admission.waited(w)
         assert f.backend is not None
+        if not f.prepared:
+            # A queued request's own time from its slot to the call (`ObservedWaits.gap`).
+            f.prepared = True
+            gap = self._gap.get(id(f.q), 0.0) if self._gap else 0.0
+            if gap > 0.0:
+                self.at(self.now + gap, self._send_prepared, f, f.backend)
+                return
         self.send(f, f.backend)
 
     def queue_timeout(self, f: Flight) -> None:
@@ -762,7 +792,7 @@ class Sim:
             if b is self.fallback:
                 run.failovers += 1
             if stream:  # a non-streaming answer's first byte is its last
-                pre = self._pre.get(id(q), 0.0) if self._pre else 0.0
+                pre = self._pre.get(id(q), 0.0) if self._pre and not f.pre_paid else 0.0
                 run.ttfts.append(first - f.arrived + q.overhead + pre)
                 run.ttft_t.append(f.arrived)
             return
@@ -927,7 +957,7 @@ class Sim:
 
     def _ttft(self, f: Flight, first: float) -> None:
         if f.q.stream:  # a non-streaming answer's first byte is its last
-            pre = self._pre.get(id(f.q), 0.0) if self._pre else 0.0
+            pre = self._pre.get(id(f.q), 0.0) if self._pre and not f.pre_paid else 0.0
             self.run.ttfts.append(first - f.arrived + f.q.overhead + pre)
             self.run.ttft_t.append(f.arrived)
 
