@@ -239,3 +239,35 @@ def test_drill_6_queued_requests_hold_their_slot_until_the_call() -> None:
     o2 = ObservedWaits(run2, policy_from_knobs(run2.recorded_policy))
     gaps = sorted(o2.gap.values())
     assert 0.005 < gaps[len(gaps) // 2] < 0.02
+
+
+def test_answers_all_in_one_piece_are_the_curves() -> None:
+    """Answers that came in one piece are left out of the curves unless every
+    answer did: then they are the curves (not the defaults), and their
+    times per token count in the median either way (the fit's one loop keeps
+    them aside)."""
+    from proxy.replay.world import build_world
+
+    trace = Trace.load(FIXTURES / "recording-drill-6-run2.jsonl.gz")
+    reqs = [q for q in trace.requests if q.stream and q.attempts]
+    # Every primary answer in one piece: its first event at 90 % of its time.
+    trace.requests = [
+        q._replace(
+            attempts=tuple(
+                a._replace(ttft=0.9 * (a.end - a.start)) if a.backend == "primary" else a
+                for a in q.attempts
+            )
+        )
+        for q in reqs
+    ]
+    primary = build_world(trace).backends["primary"]
+    # A curve per level (without them: one value, the overall median).
+    assert len(primary.ttft.values) > 1 and len(primary.tpot.values) > 1
+    wholes = sorted(
+        a.end - a.start
+        for q in reqs
+        for a in q.attempts
+        if a.backend == "primary" and a.end > a.start
+    )
+    # The TTFT curve is made of the answers' 90 % marks, not the default.
+    assert 0.5 * 0.9 * wholes[0] <= primary.ttft(1) <= 0.9 * wholes[-1]
