@@ -89,8 +89,8 @@ class ObservedWaits:
         # recorded): kept with it, made once for every replay of it.
         rebuilt = trace.rebuilt_waits
         if rebuilt is None:
-            rebuilt = trace.rebuilt_waits = (self._rebuild(trace), self.pre)
-        waits, self.pre = rebuilt
+            rebuilt = trace.rebuilt_waits = (self._rebuild(trace), self.pre, self.gap)
+        waits, self.pre, self.gap = rebuilt
         if same:
             self.waits, self.usable = waits, True
 
@@ -244,14 +244,17 @@ def pack_waits(trace: Trace) -> bytes:
     """`trace.rebuilt_waits` (made by an `ObservedWaits` of it) as bytes for
     another process that holds the same trace: the waits, which requests
     the proxy's own time is known for (a byte each) and those times in the
-    requests' order (the rebuild takes them in order). `unpack_waits` puts
+    requests' order (the rebuild takes them in order); the same for a queued
+    request's own time after its slot came (`gap`). `unpack_waits` puts
     them back."""
     rebuilt = trace.rebuilt_waits
     if rebuilt is None:
         return marshal.dumps(None)
-    waits, pre = rebuilt
+    waits, pre, gap = rebuilt
     mask = bytes(map(pre.__contains__, map(id, trace.requests)))
-    return marshal.dumps((waits, mask, list(pre.values())), 2)
+    gap_mask = bytes(map(gap.__contains__, map(id, trace.requests)))
+    gaps = [gap[id(q)] for q in compress(trace.requests, gap_mask)]
+    return marshal.dumps((waits, mask, list(pre.values()), gap_mask, gaps), 2)
 
 
 def unpack_waits(blob: bytes, trace: Trace) -> None:
@@ -259,11 +262,12 @@ def unpack_waits(blob: bytes, trace: Trace) -> None:
     got = marshal.loads(blob)
     if got is None:
         return
-    waits, mask, values = got
-    if mask.count(1) != len(values):
+    waits, mask, values, gap_mask, gaps = got
+    if mask.count(1) != len(values) or gap_mask.count(1) != len(gaps):
         raise ValueError("packed waits of another trace")
     pre = dict(zip(map(id, compress(trace.requests, mask)), values, strict=True))
-    trace.rebuilt_waits = (waits, pre)
+    gap = dict(zip(map(id, compress(trace.requests, gap_mask)), gaps, strict=True))
+    trace.rebuilt_waits = (waits, pre, gap)
 
 
 class RecordedBaseline(Window):

@@ -155,11 +155,12 @@ class Trace:
     synthetic: bool = False
     _half_open: dict[Any, float] = field(default_factory=dict, repr=False)
     # `ObservedWaits`' rebuild of the recorded waits (a function of the
-    # trace): (waits, the proxy's own time before the call by request id),
-    # made by the first replay, or sent by the process that made it.
-    rebuilt_waits: tuple[list[tuple[float, float, bool]], dict[int, float]] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    # trace): (waits, the proxy's own time before the call by request id,
+    # a queued request's own time after its slot came by request id), made
+    # by the first replay, or sent by the process that made it.
+    rebuilt_waits: (
+        tuple[list[tuple[float, float, bool]], dict[int, float], dict[int, float]] | None
+    ) = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def duration(self) -> float:

@@ -271,3 +271,25 @@ def test_answers_all_in_one_piece_are_the_curves() -> None:
     )
     # The TTFT curve is made of the answers' 90 % marks, not the default.
     assert 0.5 * 0.9 * wholes[0] <= primary.ttft(1) <= 0.9 * wholes[-1]
+
+
+def test_queued_requests_own_time_travels_with_the_packed_waits() -> None:
+    """The other replay process takes the rebuild packed (`pack_waits`): the
+    queued requests' own time after their slot came (`gap`) comes with it,
+    request for request (without it the candidate's replay of drill 6 would
+    call the backend at once, as before the model change)."""
+    from proxy.replay.observed import ObservedWaits, pack_waits, unpack_waits
+
+    path = FIXTURES / "recording-drill-6.jsonl.gz"
+    trace = Trace.load(path)
+    assert trace.recorded_policy is not None
+    o = ObservedWaits(trace, policy_from_knobs(trace.recorded_policy))
+    assert o.gap
+    other = Trace.load(path)
+    unpack_waits(pack_waits(trace), other)
+    assert other.rebuilt_waits is not None
+    _, pre, gap = other.rebuilt_waits
+    index = {id(q): i for i, q in enumerate(trace.requests)}
+    ids = [id(q) for q in other.requests]
+    assert {ids[index[k]]: v for k, v in o.gap.items()} == gap
+    assert {ids[index[k]]: v for k, v in o.pre.items()} == pre

@@ -180,5 +180,6 @@ def test_the_waits_are_rebuilt_once_per_trace(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(ObservedWaits, "_rebuild", rebuild)
     again = ObservedWaits(tr, None)
     assert calls == [] and again.pre is first.pre and again.pre
+    assert again.gap is first.gap  # (a queued request's own time after its slot came)
     assert ObservedWaits(tr, pol).waits == first.waits != []
     assert dataclasses.replace(tr).rebuilt_waits is None  # (another trace: its own)
